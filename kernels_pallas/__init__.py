@@ -1,0 +1,57 @@
+"""Paged attention: a Pallas kernel for CUDA GPUs and a plain-jnp path for everything else.
+
+`paged_attention` is the one seam the model calls; the backend is chosen once, by platform.
+"""
+
+from kernels_pallas.layout import KVCache, bytes_per_block, gather_kv, init_kv_cache, page_shape, write_kv
+from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.reference import paged_attention_reference
+
+import jax
+
+BACKENDS = ("auto", "pallas", "xla")
+
+
+def default_backend() -> str:
+    """The Pallas kernel on a GPU, the XLA path everywhere else."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    metadata: AttentionMetadata,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> jax.Array:
+    """q: [num_tokens, num_heads, head_dim]; pages: [num_blocks, block_size, num_kv_heads, head_dim].
+
+    returns [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        backend = default_backend()
+    args = (q, k_pages, v_pages, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
+    if backend == "pallas":
+        from kernels_pallas.paged_attention import paged_attention as pallas_paged_attention
+
+        return pallas_paged_attention(*args, max_query_len=metadata.max_query_len, scale=scale)
+    return paged_attention_reference(*args, max_query_len=metadata.max_query_len, scale=scale)
+
+
+__all__ = [
+    "AttentionMetadata",
+    "BACKENDS",
+    "KVCache",
+    "bytes_per_block",
+    "init_kv_cache",
+    "default_backend",
+    "gather_kv",
+    "page_shape",
+    "paged_attention",
+    "paged_attention_reference",
+    "write_kv",
+]
