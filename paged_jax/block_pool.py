@@ -1,0 +1,186 @@
+"""The block pool: which physical KV blocks are free, and how many references each one has.
+
+The state is a pytree of JAX arrays and every operation is a pure, jitted `pool -> pool` function
+with static shapes, so it runs under `jax.jit` and `jax.vmap` and, called from a Python host loop,
+costs one cached dispatch (keep the pool on the CPU device: the jitted functions run where their
+arguments live). Variable counts travel as masks over padded id vectors: a negative id is padding.
+
+Every operation returns an `ok` flag; when it is False the returned pool is the pool passed in, so a
+failed request (out of blocks, a double free, sharing a free block) never hands out a wrong or
+duplicated id and never drives a reference count negative.
+
+Block `NULL_BLOCK` (0) is reserved and never handed out: page tables point their unused entries at
+it, so a gather through a padded block table reads a page no sequence ever writes.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+NULL_BLOCK = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockPool:
+    """Free blocks and reference counts of `num_blocks` physical blocks (block 0 reserved).
+
+    Under vmap each field gains a leading batch axis.
+    """
+
+    # A ring buffer, popped at `head` and pushed at `head + num_free`: first freed, first reused, so
+    # that once prefix caching keeps the content of freed blocks, the ones evicted first are those
+    # freed longest ago (vLLM's free-block queue). The per-block content hash that prefix caching
+    # needs is not kept yet.
+    free_queue: jax.Array  # int32 [num_blocks - 1]; free ids at head .. head + num_free - 1 (mod size)
+    head: jax.Array  # int32 []
+    num_free: jax.Array  # int32 []
+    refcounts: jax.Array  # int32 [num_blocks]; 0 for free blocks and for NULL_BLOCK
+
+    @property
+    def num_blocks(self) -> int:
+        return self.refcounts.shape[-1]
+
+    @property
+    def capacity(self) -> int:
+        """Blocks that can be handed out: all but NULL_BLOCK."""
+        return self.free_queue.shape[-1]
+
+
+def init_pool(num_blocks: int) -> BlockPool:
+    """A pool with every block but NULL_BLOCK free."""
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be at least 2 (block {NULL_BLOCK} is reserved), got {num_blocks}")
+    return BlockPool(
+        free_queue=jnp.arange(1, num_blocks, dtype=jnp.int32),
+        head=jnp.zeros((), jnp.int32),
+        num_free=jnp.array(num_blocks - 1, jnp.int32),
+        refcounts=jnp.zeros(num_blocks, jnp.int32),
+    )
+
+
+def num_in_use(pool: BlockPool) -> jax.Array:
+    """int32 []: blocks with at least one reference (shared blocks count once)."""
+    return jnp.sum(pool.refcounts > 0, axis=-1, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames="max_n")
+def allocate(pool: BlockPool, n: jax.Array, max_n: int) -> tuple[BlockPool, jax.Array, jax.Array]:
+    """Take n free blocks, each with one reference.
+
+    n: int32 []; the request fails (ok False, pool unchanged, no ids) unless 0 <= n <= min(max_n, num_free).
+    max_n: static length of the returned ids.
+    returns (pool, ids int32 [max_n] with -1 from position n on, ok bool []).
+    """
+    ok = (n >= 0) & (n <= max_n) & (n <= pool.num_free)
+    pool, ids = _pop(pool, jnp.arange(max_n) < jnp.where(ok, n, 0))
+    return pool, ids, ok
+
+
+@jax.jit
+def free(pool: BlockPool, ids: jax.Array) -> tuple[BlockPool, jax.Array]:
+    """Drop one reference per entry of ids; blocks left with none go back to the free queue.
+
+    ids: int32 [k]; negative entries are padding. A block may appear several times (one entry per
+        reference dropped). Fails (ok False, pool unchanged) on an id that is not a real block or
+        on more entries for a block than it has references.
+    returns (pool, ok bool []).
+    """
+    index, ok = _check_ids(pool, ids)
+    counts = _counts(pool, index)
+    ok &= jnp.all(counts <= pool.refcounts)
+    refcounts = pool.refcounts - jnp.where(ok, counts, 0)
+    released = (pool.refcounts > 0) & (refcounts == 0)
+    return _push(dataclasses.replace(pool, refcounts=refcounts), released), ok
+
+
+@jax.jit
+def share(pool: BlockPool, ids: jax.Array) -> tuple[BlockPool, jax.Array]:
+    """Add one reference per entry of ids (a fork, or a prefix another sequence already holds).
+
+    ids: int32 [k]; negative entries are padding. Fails (ok False, pool unchanged) on an id that is
+        not a real block or is free: a free block may be handed out again at any time.
+    returns (pool, ok bool []).
+    """
+    index, ok = _check_ids(pool, ids)
+    counts = _counts(pool, index)
+    ok &= jnp.all((counts == 0) | (pool.refcounts > 0))
+    return dataclasses.replace(pool, refcounts=pool.refcounts + jnp.where(ok, counts, 0)), ok
+
+
+@jax.jit
+def copy_on_write(pool: BlockPool, ids: jax.Array) -> tuple[BlockPool, jax.Array, jax.Array, jax.Array]:
+    """Make each referenced block private to the caller before it is written.
+
+    ids: int32 [k]; one entry per reference about to write, negative entries are padding. An entry
+        whose block has other references gets a fresh block (one reference) and drops its reference
+        to the original. Entries of the same block are served in order and the one holding the last
+        reference keeps the original, so no block is copied only to be freed.
+    Fails (ok False, pool unchanged, ids returned as given, no copies) on an id that is not a real
+    block, on more entries for a block than it has references, or when too few blocks are free.
+    returns (pool, new_ids int32 [k], copies int32 [k, 2] of (src, dst) blocks whose contents the
+        caller must copy, (-1, -1) where nothing is copied, ok bool []).
+    """
+    index, ok = _check_ids(pool, ids)
+    counts = _counts(pool, index)
+    ok &= jnp.all(counts <= pool.refcounts)
+    refs = pool.refcounts.at[index].get(mode="fill", fill_value=0)
+    copy = (index < pool.num_blocks) & (_occurrence(ids) < refs - 1)
+    ok &= jnp.sum(copy) <= pool.num_free
+    copy &= ok
+    pool, dst = _pop(pool, copy)
+    refcounts = pool.refcounts - _counts(pool, jnp.where(copy, index, pool.num_blocks))
+    copies = jnp.stack([jnp.where(copy, ids, -1), dst], axis=-1)
+    return dataclasses.replace(pool, refcounts=refcounts), jnp.where(copy, dst, ids), copies, ok
+
+
+def _check_ids(pool: BlockPool, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """ids int32 [k] -> (the ids with padding moved out of bounds, whether all others are real blocks)."""
+    real = (ids > NULL_BLOCK) & (ids < pool.num_blocks)
+    # Out of bounds rather than negative: JAX wraps negative indices before mode="drop" sees them.
+    return jnp.where(real, ids, pool.num_blocks), jnp.all(real | (ids < 0))
+
+
+def _counts(pool: BlockPool, index: jax.Array) -> jax.Array:
+    """int32 [num_blocks]: how often each block appears in index (int32 [k], out of bounds dropped)."""
+    return jnp.zeros_like(pool.refcounts).at[index].add(1, mode="drop")
+
+
+def _occurrence(ids: jax.Array) -> jax.Array:
+    """int32 [k]: how many earlier entries of ids (int32 [k]) hold the same value."""
+    order = jnp.argsort(ids, stable=True)
+    ranks = jnp.arange(ids.shape[0])
+    sorted_ids = ids[order]
+    run_start = jnp.where((ranks == 0) | (sorted_ids != jnp.roll(sorted_ids, 1)), ranks, 0)
+    return jnp.zeros_like(ids).at[order].set(ranks - jax.lax.cummax(run_start))
+
+
+def _pop(pool: BlockPool, take: jax.Array) -> tuple[BlockPool, jax.Array]:
+    """Hand out one block, with one reference, per True entry of take (bool [k], at most num_free).
+
+    returns (pool, ids int32 [k], -1 where take is False).
+    """
+    size = pool.free_queue.shape[0]
+    ranks = jnp.cumsum(take) - 1
+    ids = jnp.where(take, pool.free_queue[(pool.head + ranks) % size], -1)
+    taken = jnp.sum(take, dtype=jnp.int32)
+    return BlockPool(
+        free_queue=pool.free_queue,
+        head=(pool.head + taken) % size,
+        num_free=pool.num_free - taken,
+        refcounts=pool.refcounts.at[jnp.where(take, ids, pool.num_blocks)].set(1, mode="drop"),
+    ), ids
+
+
+def _push(pool: BlockPool, released: jax.Array) -> BlockPool:
+    """Append the blocks marked in released (bool [num_blocks]) to the free queue, lowest id first."""
+    size = pool.free_queue.shape[0]
+    ranks = jnp.cumsum(released) - 1
+    slots = jnp.where(released, (pool.head + pool.num_free + ranks) % size, size)
+    return dataclasses.replace(
+        pool,
+        free_queue=pool.free_queue.at[slots].set(jnp.arange(pool.num_blocks, dtype=jnp.int32), mode="drop"),
+        num_free=pool.num_free + jnp.sum(released, dtype=jnp.int32),
+    )
