@@ -1,0 +1,307 @@
+"""The Pallas paged-attention kernel (interpret mode on the CPU) against the jnp reference, a dense
+float64 oracle over contiguous K/V, and JAX's own decode kernel; plus its CUDA lowering and write_kv."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+import kernels_pallas
+from kernels_pallas import layout
+from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.reference import paged_attention_reference
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
+TRAILING_PAD_TOKENS = 3  # flat-batch tokens past the last sequence, as a bucketed step has
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    q_lens: tuple[int, ...]  # new tokens per sequence; 0 with seq_len 0 = padding sequence
+    seq_lens: tuple[int, ...]  # context incl. new tokens
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: type = jnp.float32
+    knobs: tuple[tuple[str, int], ...] = ()  # kernel tuning keywords
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.q_lens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A step's inputs, plus the contiguous per-sequence K/V they were written from."""
+
+    q: jax.Array  # [num_tokens, num_heads, head_dim]
+    k_pages: jax.Array  # [num_blocks, block_size, num_kv_heads, head_dim]; NaN in every unwritten slot
+    v_pages: jax.Array
+    block_tables: jax.Array  # int32 [num_seqs, max_blocks]
+    seq_lens: jax.Array  # int32 [num_seqs]
+    query_start_loc: jax.Array  # int32 [num_seqs + 1]
+    k_dense: list[np.ndarray]  # per sequence [seq_len, num_kv_heads, head_dim], as stored (rounded)
+    v_dense: list[np.ndarray]
+
+    @property
+    def args(self):
+        return (self.q, self.k_pages, self.v_pages, self.block_tables, self.seq_lens, self.query_start_loc)
+
+
+def make_batch(case: Case, seed: int = 0, poison=np.nan) -> Batch:
+    """Random K/V written through randomly permuted block tables; `poison` fills all other slots."""
+    rng = np.random.default_rng(seed)
+    bs, kvh, dim = case.block_size, case.num_kv_heads, case.head_dim
+    blocks_needed = [-(-n // bs) for n in case.seq_lens]
+    max_blocks = max(blocks_needed) + 1  # a spare column: entries past a sequence's blocks must not be read
+    num_blocks = sum(blocks_needed) + 3
+    pages = rng.permutation(num_blocks)
+    block_tables = rng.integers(0, num_blocks, (len(case.seq_lens), max_blocks))
+    k_pages = np.full((num_blocks, bs, kvh, dim), poison, np.float32)
+    v_pages = np.full_like(k_pages, poison)
+    k_dense, v_dense = [], []
+    for i, n in enumerate(case.seq_lens):
+        block_tables[i, : blocks_needed[i]], pages = pages[: blocks_needed[i]], pages[blocks_needed[i] :]
+        k = np.asarray(jnp.asarray(rng.standard_normal((n, kvh, dim)), case.dtype).astype(jnp.float32))
+        v = np.asarray(jnp.asarray(rng.standard_normal((n, kvh, dim)), case.dtype).astype(jnp.float32))
+        pos = np.arange(n)
+        k_pages[block_tables[i, pos // bs], pos % bs] = k
+        v_pages[block_tables[i, pos // bs], pos % bs] = v
+        k_dense.append(k)
+        v_dense.append(v)
+    query_start_loc = np.concatenate([[0], np.cumsum(case.q_lens)])
+    num_tokens = int(query_start_loc[-1]) + TRAILING_PAD_TOKENS
+    return Batch(
+        q=jnp.asarray(rng.standard_normal((num_tokens, case.num_heads, dim)), case.dtype),
+        k_pages=jnp.asarray(k_pages, case.dtype),
+        v_pages=jnp.asarray(v_pages, case.dtype),
+        block_tables=jnp.asarray(block_tables, jnp.int32),
+        seq_lens=jnp.asarray(case.seq_lens, jnp.int32),
+        query_start_loc=jnp.asarray(query_start_loc, jnp.int32),
+        k_dense=k_dense,
+        v_dense=v_dense,
+    )
+
+
+def dense_attention(case: Case, batch: Batch) -> np.ndarray:
+    """float64 causal attention per sequence over its contiguous K/V: [num_tokens, num_heads, head_dim]."""
+    q = np.asarray(batch.q.astype(jnp.float32), np.float64)
+    group = case.num_heads // case.num_kv_heads
+    out = np.zeros_like(q)
+    start = 0
+    for q_len, n, k, v in zip(case.q_lens, case.seq_lens, batch.k_dense, batch.v_dense):
+        if q_len == 0:
+            continue
+        k = np.repeat(k.astype(np.float64), group, axis=1)  # [n, heads, dim]
+        v = np.repeat(v.astype(np.float64), group, axis=1)
+        qs = q[start : start + q_len]  # [q_len, heads, dim]
+        scores = np.einsum("qhd,khd->hqk", qs, k) / np.sqrt(case.head_dim)
+        causal = np.arange(n)[None, :] <= (n - q_len + np.arange(q_len))[:, None]  # [q_len, n]
+        scores = np.where(causal, scores, -np.inf)
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        out[start : start + q_len] = np.einsum("hqk,khd->qhd", p / p.sum(axis=-1, keepdims=True), v)
+        start += q_len
+    return out
+
+
+def rel_err(x, expected) -> float:
+    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    return float(np.linalg.norm(x - expected) / np.linalg.norm(expected))
+
+
+def case_id(case: Case) -> str:
+    kind = "decode" if case.max_query_len == 1 else "prefill"
+    knobs = "".join(f"-{k}{v}" for k, v in case.knobs)
+    return (
+        f"{kind}-h{case.num_heads}kv{case.num_kv_heads}-d{case.head_dim}-bs{case.block_size}"
+        f"-{jnp.dtype(case.dtype).name}{knobs}"
+    )
+
+
+DECODE = dict(q_lens=(1, 1, 0, 1, 1), seq_lens=(37, 1, 0, 100, 16))
+# A whole prompt, a later chunk of a longer one (cached prefix), a padding row, a decode row, a
+# prompt of exactly one block, one spanning three query blocks.
+PREFILL = dict(q_lens=(5, 13, 0, 1, 8, 40), seq_lens=(5, 30, 0, 9, 8, 45))
+
+CASES = [
+    # Group sizes 3 (SmolLM2: 9 heads over 3), 4, 1 and 8; every head_dim, block size and dtype.
+    Case(**DECODE, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16),
+    Case(**DECODE, num_heads=8, num_kv_heads=2, head_dim=128, block_size=8, dtype=jnp.bfloat16),
+    Case(**DECODE, num_heads=4, num_kv_heads=4, head_dim=64, block_size=32),
+    Case(**DECODE, num_heads=16, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16),
+    Case(**PREFILL, num_heads=9, num_kv_heads=3, head_dim=64, block_size=8),
+    Case(**PREFILL, num_heads=9, num_kv_heads=3, head_dim=128, block_size=32, dtype=jnp.bfloat16),
+    Case(**PREFILL, num_heads=8, num_kv_heads=2, head_dim=128, block_size=16),
+    Case(**PREFILL, num_heads=8, num_kv_heads=8, head_dim=64, block_size=32, dtype=jnp.bfloat16),
+    Case(**PREFILL, num_heads=16, num_kv_heads=2, head_dim=64, block_size=8),
+    Case(**PREFILL, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float16),
+    # Knobs: K/V tiles smaller than a page; many query blocks of two tokens and K/V tiles of 16 pages.
+    Case(**PREFILL, num_heads=9, num_kv_heads=3, head_dim=64, block_size=32, knobs=(("block_k", 16),)),
+    Case(
+        **PREFILL, num_heads=8, num_kv_heads=1, head_dim=64, block_size=8,
+        knobs=(("block_q", 2), ("block_k", 128)),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kernel_matches_reference_and_dense(case):
+    batch = make_batch(case)
+    dense = dense_attention(case, batch)
+    out = paged_attention(*batch.args, max_query_len=case.max_query_len, interpret=True, **dict(case.knobs))
+    ref = paged_attention_reference(*batch.args, max_query_len=case.max_query_len)
+
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    assert not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
+    assert not jnp.isnan(ref).any()
+    tol = TOLERANCE[case.dtype]
+    assert rel_err(out, dense) < tol
+    assert rel_err(ref, dense) < tol
+    assert rel_err(out, np.asarray(ref.astype(jnp.float32), np.float64)) < tol
+    assert not np.asarray(out[-TRAILING_PAD_TOKENS:]).any(), "tokens of no sequence must be 0"
+
+
+def test_bucketed_max_query_len_and_explicit_scale():
+    """A bucket larger than any sequence's new tokens adds query blocks with no valid row."""
+    case = Case(**PREFILL, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    batch = make_batch(case, seed=1)
+    out = paged_attention(*batch.args, max_query_len=64, scale=0.3, interpret=True)
+    ref = paged_attention_reference(*batch.args, max_query_len=64, scale=0.3)
+    assert rel_err(out, np.asarray(ref, np.float64)) < TOLERANCE[jnp.float32]
+    unscaled = paged_attention_reference(*batch.args, max_query_len=64)
+    assert rel_err(unscaled, np.asarray(ref, np.float64)) > 0.01, "scale must change the result"
+
+
+def test_dispatch_seam_runs_the_kernel():
+    # This module imported kernels_pallas.paged_attention (the kernel module) above: the package's
+    # function of the same name must still be the one bound.
+    assert callable(kernels_pallas.paged_attention)
+    case = Case(**PREFILL, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    batch = make_batch(case, seed=2)
+    metadata = AttentionMetadata(
+        slot_mapping=jnp.zeros(batch.q.shape[0], jnp.int32),  # unused by attention itself
+        block_tables=batch.block_tables,
+        seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc,
+        max_query_len=case.max_query_len,
+    )
+    inputs = (batch.q, batch.k_pages, batch.v_pages, metadata)
+    out = kernels_pallas.paged_attention(*inputs, backend="pallas", interpret=True)
+    ref = kernels_pallas.paged_attention(*inputs, backend="xla")
+    assert rel_err(out, np.asarray(ref, np.float64)) < TOLERANCE[jnp.float32]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(q_lens=(1,) * 4, seq_lens=(37, 1, 100, 64), num_heads=9, num_kv_heads=3, head_dim=64,
+             block_size=16),
+        Case(q_lens=(1,) * 3, seq_lens=(5, 90, 33), num_heads=8, num_kv_heads=2, head_dim=128, block_size=8),
+    ],
+    ids=case_id,
+)
+def test_decode_matches_jax_paged_attention(case):
+    """JAX's decode kernel (head-major pages, heads padded to block_h=16) as an independent check.
+
+    Its unwritten slots get finite garbage, not NaN: it masks scores but multiplies masked
+    probabilities (0) into V, so a NaN in V would reach its output.
+    """
+    batch = make_batch(case, poison=1e3)
+    max_blocks = batch.block_tables.shape[1]
+    real = slice(0, len(case.q_lens))  # one token per sequence, without the trailing padding tokens
+    theirs = jax_paged.paged_attention(
+        batch.q[real] * case.head_dim**-0.5,  # it applies no softmax scale of its own
+        layout.to_head_major(batch.k_pages),
+        layout.to_head_major(batch.v_pages),
+        batch.block_tables,
+        batch.seq_lens,
+        block_h=16,
+        pages_per_compute_block=max_blocks,  # its partitions must divide the block table evenly
+        k_splits=1,
+        interpret=True,
+    )
+    out = paged_attention(*batch.args, max_query_len=1, interpret=True)
+    expected = np.asarray(theirs, np.float64)
+    assert rel_err(out[real], expected) < TOLERANCE[jnp.float32]
+    assert rel_err(out[real], dense_attention(case, batch)[real]) < TOLERANCE[jnp.float32]
+
+
+LOWERING_SHAPES = [(8, 8, 64), (9, 3, 64), (8, 2, 128), (16, 2, 128), (32, 1, 64)]  # groups 1, 3, 4, 8, 32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("max_query_len", [1, 7, 64])
+@pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=lambda s: "h{}kv{}-d{}".format(*s))
+def test_lowers_to_triton_for_cuda(shape, max_query_len, dtype):
+    """The Pallas Triton lowering (power-of-two tiles, supported ops) succeeds on this CPU machine."""
+    num_heads, num_kv_heads, head_dim = shape
+    num_seqs, num_blocks, block_size = 4, 32, 16
+    args = (
+        jax.ShapeDtypeStruct((num_seqs * max_query_len, num_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_blocks, block_size, num_kv_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_blocks, block_size, num_kv_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_seqs, 8), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
+    )
+    f = jax.jit(lambda *a: paged_attention(*a, max_query_len=max_query_len))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(q=jnp.ones((4, 8, 96)), k_pages=jnp.ones((8, 16, 2, 96)), v_pages=jnp.ones((8, 16, 2, 96))),
+         "head_dim must be a power of two"),
+        (dict(q=jnp.ones((4, 7, 64))), "not a multiple of num_kv_heads"),
+        (dict(v_pages=jnp.ones((8, 16, 2, 32))), "must both be"),
+        (dict(k_pages=jnp.ones((8, 16, 2, 64), jnp.bfloat16)), "share a dtype"),
+        (dict(seq_lens=jnp.ones(4, jnp.float32)), "seq_lens must be int32"),
+        (dict(query_start_loc=jnp.zeros(4, jnp.int32)), r"query_start_loc must have shape \(5,\)"),
+        (dict(block_k=8), "block_k must be a power of two >= 16"),
+        (dict(block_q=2), r"block_q \* 4 \(padded group\) >= 16"),
+        (dict(max_query_len=0), "max_query_len must be >= 1"),
+    ],
+)
+def test_rejects_bad_arguments(change, message):
+    args = dict(
+        q=jnp.ones((4, 8, 64)),
+        k_pages=jnp.ones((8, 16, 2, 64)),
+        v_pages=jnp.ones((8, 16, 2, 64)),
+        block_tables=jnp.zeros((4, 2), jnp.int32),
+        seq_lens=jnp.ones(4, jnp.int32),
+        query_start_loc=jnp.arange(5, dtype=jnp.int32),
+        max_query_len=1,
+        interpret=True,
+    )
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**{**args, **change})
+
+
+def test_write_kv_scatters_tokens_and_drops_padding():
+    rng = np.random.default_rng(3)
+    num_blocks, block_size, kvh, dim = 5, 4, 2, 8
+    k_pages = jnp.asarray(rng.standard_normal((num_blocks, block_size, kvh, dim)), jnp.float32)
+    v_pages = jnp.asarray(rng.standard_normal((num_blocks, block_size, kvh, dim)), jnp.float32)
+    num_slots = num_blocks * block_size
+    # The last slot is never a target: a -1 that wrapped around would land there.
+    slots = rng.permutation(num_slots - 1)[:6]
+    slot_mapping = jnp.asarray(np.insert(slots, [2, 6], -1), jnp.int32)  # padding tokens in between
+    k = jnp.asarray(rng.standard_normal((len(slot_mapping), kvh, dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((len(slot_mapping), kvh, dim)), jnp.bfloat16)
+
+    new_k, new_v = layout.write_kv(k_pages, v_pages, slot_mapping, k, v)
+
+    assert new_k.dtype == k_pages.dtype and new_k.shape == k_pages.shape
+    real = np.asarray(slot_mapping) >= 0
+    for new, old, src in ((new_k, k_pages, k), (new_v, v_pages, v)):
+        flat_new = np.asarray(new).reshape(num_slots, kvh, dim)
+        expected = np.asarray(old).reshape(num_slots, kvh, dim).copy()
+        expected[slots] = np.asarray(src.astype(jnp.float32))[real]
+        np.testing.assert_array_equal(flat_new, expected)
