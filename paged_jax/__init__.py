@@ -1,0 +1,26 @@
+"""paged-jax: continuous batching over a paged KV cache, in JAX.
+
+    from paged_jax import LLM, SamplingParams
+    outputs = LLM(model="smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=32))
+
+The engine classes load lazily, so `import paged_jax.block_pool` stays light for researchers.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "paged_jax.llm",
+    "LLMEngine": "paged_jax.engine",
+    "EngineConfig": "paged_jax.config",
+    "SamplingParams": "paged_jax.sampling_params",
+    "RequestOutput": "paged_jax.outputs",
+    "CompletionOutput": "paged_jax.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'paged_jax' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,258 @@
+"""LLMEngine: requests in, incremental outputs out, one scheduling decision and one model call a step.
+
+A server drives it from a background loop (add_request / abort_request from request handlers, step in
+the loop); LLM (llm.py) drives it to completion for offline batches.
+"""
+
+import dataclasses
+import itertools
+import time
+
+import jax.numpy as jnp
+
+import models
+from kernels_pallas import bytes_per_block
+from paged_jax.block_manager import BlockManager
+from paged_jax.config import EngineConfig, ResolvedConfig
+from paged_jax.model_runner import ModelRunner
+from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.scheduler import ScheduledSeq, Scheduler
+from paged_jax.sequence import Sequence, Status
+
+_MAX_SEED = 2**31 - 1
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    num_preemptions: int
+    num_compiles: int
+    peak_blocks_in_use: int
+    prefix_cache_hit_blocks: int
+    prefix_cache_queried_blocks: int
+
+
+def resolve(config: EngineConfig, model_config: "models.ModelConfig") -> ResolvedConfig:
+    """Settle the run-time sizes: context length from the model, block count from the budget."""
+    max_model_len = model_config.max_model_len
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context length {max_model_len}"
+            )
+        max_model_len = config.max_model_len
+    max_blocks_per_seq = -(-max_model_len // config.block_size)
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
+                                    model_config.head_dim, jnp.dtype(config.dtype))
+        # One more than the budget buys: block 0 is the pool's null block, never handed out.
+        num_blocks = min(config.kv_cache_memory_bytes // per_block, 4 * max_blocks_per_seq * config.max_num_seqs) + 1
+    if num_blocks - 1 < 1:
+        raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
+    return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq)
+
+
+class LLMEngine:
+    def __init__(self, model, model_config, tokenizer, config: EngineConfig | None = None):
+        """model: a models.LlamaForCausalLM; tokenizer: a transformers tokenizer."""
+        self.config = config or EngineConfig()
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.resolved = resolve(self.config, model_config)
+        self.runner = ModelRunner(model, model_config, self.config, self.resolved)
+        self.blocks = BlockManager(self.resolved.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._seeds = itertools.count(self.config.seed * 1_000_003)
+        self.peak_blocks_in_use = 0
+        self.peak_slot_fill = 0.0
+
+    @classmethod
+    def from_pretrained(cls, model: str = "smollm2-135m", **options) -> "LLMEngine":
+        config = EngineConfig(**options)
+        loaded = models.load_model(model, dtype=jnp.dtype(config.dtype))
+        return cls(loaded.model, loaded.config, loaded.tokenizer, config)
+
+    # Requests.
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids). Everything is checked here, never inside a step."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.use_beam_search:
+            raise NotImplementedError("beam search is not implemented yet")
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
+            raise ValueError("this model has no tokenizer: give prompts as token ids and no stop strings")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if not all(0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        limit = self.resolved.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens is too long: max_model_len is {limit} "
+                f"(the prompt and at least one generated token must fit)"
+            )
+        seed = params.seed if params.seed is not None else next(self._seeds) % _MAX_SEED
+        seq_id = next(self._seq_ids)
+        # A request with n samples reserves n consecutive sequence ids for its forks.
+        for _ in range(params.n - 1):
+            next(self._seq_ids)
+        seq = Sequence(seq_id=seq_id, request_id=request_id, token_ids=list(token_ids),
+                       num_prompt_tokens=len(token_ids), params=params, seed=seed,
+                       arrival_time=time.monotonic(), forks=params.n)
+        self._requests[request_id] = _Request(request_id, text, list(token_ids), params, [seq])
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # The step.
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; outputs for the requests that advanced."""
+        out = self.scheduler.schedule()
+        for child in out.forked:
+            self._requests[child.request_id].seqs.append(child)
+        if not out.scheduled:
+            return []
+        # Decode rows first: the attention path can then treat them as one q_len-1 block.
+        scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        sampled = self.runner.execute(scheduled, out.copies)
+        self._track_peak(scheduled)
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for row, s in enumerate(scheduled):
+            seq, samples = s.seq, s.samples
+            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_cached_blocks = self.blocks.cache_full_blocks(
+                seq.token_ids, seq.block_ids, seq.num_cached_blocks, seq.num_computed_tokens)
+            if not samples:
+                continue
+            self._append_token(seq, sampled, row, now)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        return [self._output(r) for r in touched.values()]
+
+    def _track_peak(self, scheduled: list[ScheduledSeq]) -> None:
+        """Peak blocks held by sequences, and the share of their slots holding real tokens."""
+        in_use = self.blocks.num_blocks - 1 - self.blocks.num_free - self.blocks.num_evictable
+        if in_use > self.peak_blocks_in_use:
+            self.peak_blocks_in_use = in_use
+            held = sum(s.num_new_tokens for s in scheduled) + sum(s.num_computed_tokens for s in self.scheduler.running)
+            self.peak_slot_fill = held / (in_use * self.config.block_size)
+
+    def _append_token(self, seq: Sequence, sampled, row: int, now: float) -> None:
+        token = int(sampled.tokens[row])
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.params.logprobs is not None:
+            entry = {token: float(sampled.logprobs[row])}
+            for tid, lp in zip(sampled.top_ids[row, : seq.params.logprobs], sampled.top_logprobs[row, : seq.params.logprobs]):
+                entry.setdefault(int(tid), float(lp))
+            seq.logprobs.append(entry)
+        seq.cumulative_logprob += float(sampled.logprobs[row])
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop", token
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            stop = self._find_stop(seq) if params.stop else None
+            if stop is not None:
+                return "stop", stop
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.resolved.max_model_len:
+            return "length", None
+        return None
+
+    def _find_stop(self, seq: Sequence) -> str | None:
+        """The stop string that occurs first in the output text, or None."""
+        text = self._decode(seq.output_token_ids)
+        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        return min(hits)[1] if hits else None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # A model loaded without tokenizer files speaks token ids only.
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for seq in sorted(request.seqs, key=lambda s: s.index):
+            text = self._decode(seq.output_token_ids)
+            if isinstance(seq.stop_reason, str):
+                text = text[: text.find(seq.stop_reason)]
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        finished = len(completions) == request.params.n and all(c.finished for c in completions)
+        if finished:
+            del self._requests[request.request_id]
+        first = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+        last = [s.finish_time for s in request.seqs if s.finish_time is not None]
+        metrics = RequestMetrics(
+            arrival_time=request.seqs[0].arrival_time,
+            first_token_time=min(first) if first else None,
+            finish_time=max(last) if finished and last else None,
+            num_output_tokens=max(s.num_output_tokens for s in request.seqs),
+            num_prefix_hit_tokens=request.seqs[0].num_prefix_hit_tokens,
+            num_preemptions=sum(s.num_preemptions for s in request.seqs))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             finished, metrics)
+
+    # Introspection.
+
+    def stats(self) -> EngineStats:
+        cache = self.blocks.cache
+        return EngineStats(
+            num_preemptions=self.scheduler.num_preemptions,
+            num_compiles=self.runner.num_compiles,
+            peak_blocks_in_use=self.peak_blocks_in_use,
+            prefix_cache_hit_blocks=cache.hit_blocks if cache else 0,
+            prefix_cache_queried_blocks=cache.queried_blocks if cache else 0)

@@ -1,0 +1,94 @@
+"""Runs one engine step on the device: the jitted model call with sampling fused into it.
+
+The KV cache is donated to every call that changes it, so XLA updates its pages in place, and a step
+sends back only what the sampler picked (one device-to-host transfer).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kernels_pallas import KVCache, init_kv_cache
+from paged_jax import sampling
+from paged_jax.batch import bucket, build_step_input
+from paged_jax.config import EngineConfig, ResolvedConfig
+from paged_jax.scheduler import ScheduledSeq
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend"), donate_argnames=("kv_cache",))
+def _step(graphdef, state, kv_cache: KVCache, step_input, sampling_tensors, *, attn_backend: str):
+    model = nnx.merge(graphdef, state)
+    logits, kv_cache = model(step_input.input_ids, step_input.positions, kv_cache, step_input.metadata,
+                             step_input.logits_indices, attn_backend=attn_backend)
+    return sampling.sample(logits, sampling_tensors), kv_cache
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_cache",))
+def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copy whole blocks src[i] -> dst[i] in every layer. src, dst: int32 [n]; dst out of range = skip."""
+    copy = lambda pages: pages.at[dst].set(pages[src], mode="drop")
+    return KVCache(k=tuple(map(copy, kv_cache.k)), v=tuple(map(copy, kv_cache.v)))
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_cache",))
+def _write_blocks(kv_cache: KVCache, ids: jax.Array, k: tuple, v: tuple) -> KVCache:
+    """ids: int32 [n], out of range = skip; k[l], v[l]: [n, block_size, kv_heads, head_dim] for layer l."""
+    put = lambda pages, new: pages.at[ids].set(new.astype(pages.dtype), mode="drop")
+    return KVCache(k=tuple(map(put, kv_cache.k, k)), v=tuple(map(put, kv_cache.v, v)))
+
+
+class ModelRunner:
+    def __init__(self, model, model_config, config: EngineConfig, resolved: ResolvedConfig):
+        self.graphdef, self.state = nnx.split(model)
+        self.model_config = model_config
+        self.config = config
+        self._num_blocks = resolved.num_blocks
+        self.kv_cache = init_kv_cache(model_config.num_layers, resolved.num_blocks, config.block_size,
+                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(config.dtype))
+
+    @property
+    def num_compiles(self) -> int:
+        """Programs compiled so far for the step and the block copies (counts recompiles)."""
+        return _step._cache_size() + copy_blocks._cache_size() + _write_blocks._cache_size()
+
+    def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
+        """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
+        if copies:
+            src, dst = np.asarray(copies, np.int32).T
+            self.kv_cache = copy_blocks(self.kv_cache, self._pad(src, 0), self._pad(dst, self._num_blocks))
+        step_input = build_step_input(scheduled, self.config.block_size)
+        seqs = [s.seq for s in scheduled]
+        tensors = sampling.make_sampling_tensors(
+            [s.params for s in seqs],
+            [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs],
+            [s.token_ids[: s.num_prompt_tokens] for s in seqs],
+            [s.output_token_ids for s in seqs],
+            self.model_config.eos_token_ids,
+            pad_rows_to=step_input.logits_indices.shape[0])
+        sampled, self.kv_cache = _step(self.graphdef, self.state, self.kv_cache, step_input, tensors,
+                                       attn_backend=self.config.attention_backend)
+        return jax.device_get(sampled)
+
+    # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks.
+
+    def swap_out(self, block_ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        ids = np.asarray(block_ids, np.int32)
+        return jax.device_get(([k[ids] for k in self.kv_cache.k], [v[ids] for v in self.kv_cache.v]))
+
+    def swap_in(self, saved: tuple[list[np.ndarray], list[np.ndarray]], block_ids: list[int]) -> None:
+        n = len(block_ids)
+        size = bucket(n)
+        pad = lambda pages: np.concatenate([pages, np.zeros((size - n, *pages.shape[1:]), pages.dtype)])
+        k, v = saved
+        ids = self._pad(np.asarray(block_ids, np.int32), self._num_blocks)
+        self.kv_cache = _write_blocks(self.kv_cache, ids, tuple(map(pad, k)), tuple(map(pad, v)))
+
+    @staticmethod
+    def _pad(ids: np.ndarray, fill: int) -> np.ndarray:
+        """ids padded to a power-of-two length with `fill`, so block moves compile once per size class."""
+        out = np.full(bucket(len(ids)), fill, np.int32)
+        out[: len(ids)] = ids
+        return out

@@ -1,0 +1,209 @@
+"""Iteration-level scheduling: one decision per engine step, made on the host.
+
+Each step the scheduler
+1. gives every running sequence its next tokens (a decode token, or the next chunk of a prompt),
+   preempting the most recently admitted sequences when the pool runs short;
+2. admits waiting sequences first-come first-served while free blocks, max_num_seqs and the token
+   budget allow (the queue's head waits rather than being overtaken, so nothing starves);
+3. forks a request with n > 1 into its samples once their shared prompt is computed.
+
+Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
+generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
+back into fresh blocks.
+"""
+
+import collections
+import dataclasses
+from typing import Protocol
+
+from paged_jax.block_manager import BlockManager
+from paged_jax.config import EngineConfig
+from paged_jax.sequence import Sequence, Status
+
+
+class KVSwapper(Protocol):
+    def swap_out(self, block_ids: list[int]) -> object: ...
+
+    def swap_in(self, saved: object, block_ids: list[int]) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last known token, so its next one is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    # KV block copies (source, destination) to make before the step: copy-on-write of shared blocks.
+    copies: list[tuple[int, int]]
+    preempted: list[Sequence]
+    # Samples created this step by forking a request with n > 1.
+    forked: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: KVSwapper | None = None):
+        self.config = config
+        self.blocks = block_manager
+        self.swapper = swapper
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.blocks.block_size)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(scheduled=[], copies=[], preempted=[], forked=self._fork_ready())
+        budget = self.config.max_num_batched_tokens
+
+        scheduled_ids = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            if not self._reserve(seq, num_new, out):
+                break  # seq itself was preempted
+            self._copy_on_write(seq, out)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+            i += 1
+
+        # Nobody is admitted on a step that preempted: the pool is short, and admitting would only
+        # preempt again.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = self._admit(seq, budget)
+            if num_new == 0:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return out
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute for seq this step, 0 if it cannot run now."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if seq.forks > 1:
+            remaining -= 1  # the last prompt token is computed by each fork
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _reserve(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Grow seq's block list to hold num_new more tokens, preempting the newest sequences
+        (possibly seq itself) until the pool can. False when seq was preempted."""
+        need = self._blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
+        while need > 0 and not self.blocks.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_ids.extend(self.blocks.allocate(need))
+        return True
+
+    def _copy_on_write(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Give seq a private copy of the block its next token lands in, if that block is shared."""
+        if seq.num_computed_tokens % self.blocks.block_size == 0:
+            return  # the next token opens a fresh block
+        index = seq.num_computed_tokens // self.blocks.block_size
+        copy = self.blocks.copy_on_write(seq.block_ids[index])
+        if copy is not None:
+            out.copies.append(copy)
+            seq.block_ids[index] = copy[1]
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
+        if seq.swapped_kv is not None:
+            return self._swap_in(seq, budget)
+        cached = self.blocks.match_prefix(seq.token_ids)
+        num_computed = len(cached) * self.blocks.block_size
+        seq.num_computed_tokens = num_computed
+        num_new = self._num_new_tokens(seq, budget)
+        need = self._blocks_for(num_computed + num_new) - len(cached)
+        if num_new == 0 or not self.blocks.can_allocate(need, keep=cached):
+            seq.num_computed_tokens = 0
+            return 0
+        self.blocks.share(cached)
+        seq.block_ids = cached + self.blocks.allocate(need)
+        seq.num_cached_blocks = len(cached)
+        seq.num_prefix_hit_tokens = max(seq.num_prefix_hit_tokens, num_computed)
+        return num_new
+
+    def _swap_in(self, seq: Sequence, budget: int) -> int:
+        num_blocks = self._blocks_for(seq.num_computed_tokens)
+        num_new = self._num_new_tokens(seq, budget)
+        need = self._blocks_for(seq.num_computed_tokens + num_new)
+        if num_new == 0 or not self.blocks.can_allocate(need):
+            return 0
+        seq.block_ids = self.blocks.allocate(need)
+        self.swapper.swap_in(seq.swapped_kv, seq.block_ids[:num_blocks])
+        seq.swapped_kv = None
+        return num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        if self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0:
+            seq.swapped_kv = self.swapper.swap_out(seq.block_ids[: self._blocks_for(seq.num_computed_tokens)])
+        else:
+            seq.num_computed_tokens = 0
+        self.blocks.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_cached_blocks = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _fork_ready(self) -> list[Sequence]:
+        """Split each parent whose shared prompt is computed into its n samples, sharing its blocks."""
+        forked = []
+        for parent in [s for s in self.running if s.forks > 1 and s.num_computed_tokens == s.num_tokens - 1]:
+            children = [dataclasses.replace(parent, forks=1, token_ids=list(parent.token_ids), block_ids=list(parent.block_ids), logprobs=[])
+                        for _ in range(parent.forks - 1)]
+            for child in children:
+                self.blocks.share(parent.block_ids)
+            parent.forks = 1
+            at = self.running.index(parent)
+            self.running[at + 1 : at + 1] = children
+            for k, child in enumerate(children, start=1):
+                child.index = parent.index + k
+                child.seq_id = parent.seq_id + k
+            forked.extend(children)
+        return forked
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire seq at once and free its blocks (prefix-cached ones stay cached)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_ids)
+        seq.block_ids = []
+        seq.swapped_kv = None
+        seq.status = Status.FINISHED

@@ -1,0 +1,124 @@
+"""Offline throughput on a shared workload (default ../shared/workloads/w1.json), default model.
+
+    python scripts/bench_throughput.py [--json out/w1.json]
+
+Prints output and total tokens/s over the wall time of a run after a warm-up run, model FLOP
+utilisation against a float32 matmul peak measured in the same process, peak KV blocks in use and how
+full their slots were, preemptions, and compiles after warm-up.
+"""
+
+import argparse
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import LLMEngine, SamplingParams
+
+DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--num-requests", type=int, default=None, help="first N requests only")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-warmup", action="store_true", help="time the first run, compiles included")
+    p.add_argument("--json", help="write the figures to this path")
+    return p.parse_args(argv)
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
+    """Best-of float32 n^3 matmul rate on this machine, through XLA."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def model_flops(cfg, requests) -> float:
+    """Matmul and attention FLOPs the workload needs (logits only for sampled rows)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * d + 3 * d * cfg.intermediate_size
+    total = 0.0
+    for r in requests:
+        prompt, out = len(r["prompt_token_ids"]), r["max_new_tokens"]
+        tokens = prompt + out - 1  # the last sampled token is never fed back
+        total += 2 * cfg.num_layers * per_layer * tokens
+        total += 2 * cfg.vocab_size * d * out
+        # Attention: QK^T and PV over the causal context of every computed token.
+        total += 4 * cfg.num_layers * cfg.num_heads * hd * (tokens * (tokens + 1) / 2)
+    return total
+
+
+def run_once(engine: LLMEngine, requests, params) -> tuple[float, int]:
+    for i, r in enumerate(requests):
+        engine.add_request(r["prompt_token_ids"], params[i])
+    start = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                produced += len(out.outputs[0].token_ids)
+    return time.perf_counter() - start, produced
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    workload = json.loads(pathlib.Path(args.workload).read_text())
+    requests = workload["requests"][: args.num_requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], ignore_eos=True) for r in requests]
+    engine = LLMEngine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                                       max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
+    if not args.no_warmup:
+        run_once(engine, requests, params)
+        engine.blocks.reset_prefix_cache()  # the timed run must compute every prompt again
+    compiles_before = engine.runner.num_compiles
+    preempt_before = engine.scheduler.num_preemptions
+    engine.peak_blocks_in_use = engine.peak_slot_fill = 0
+    elapsed, produced = run_once(engine, requests, params)
+    peak = matmul_peak_gflops()
+
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    flops = model_flops(engine.model_config, requests)
+    figures = {
+        "workload": workload.get("name", args.workload),
+        "requests": len(requests),
+        "wall_s": round(elapsed, 2),
+        "output_tokens": produced,
+        "output_tokens_per_s": round(produced / elapsed, 1),
+        "total_tokens_per_s": round((produced + prompt_tokens) / elapsed, 1),
+        "model_tflop": round(flops / 1e12, 2),
+        "matmul_peak_gflops": round(peak, 1),
+        "mfu": round(flops / elapsed / (peak * 1e9), 3),
+        "peak_kv_blocks": engine.peak_blocks_in_use,
+        "kv_slot_fill_at_peak": round(engine.peak_slot_fill, 3),
+        "preemptions": engine.scheduler.num_preemptions - preempt_before,
+        "compiles_after_warmup": engine.runner.num_compiles - compiles_before,
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+    }
+    for name, value in figures.items():
+        print(f"{name:>24}: {value}")
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
