@@ -163,8 +163,6 @@ class LLMEngine:
         for row, s in enumerate(scheduled):
             seq, samples = s.seq, s.samples
             seq.num_computed_tokens += s.num_new_tokens
-            seq.num_cached_blocks = self.blocks.cache_full_blocks(
-                seq.token_ids, seq.block_ids, seq.num_cached_blocks, seq.num_computed_tokens)
             if not samples:
                 continue
             self._append_token(seq, sampled, row, now)

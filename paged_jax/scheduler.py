@@ -74,7 +74,6 @@ class Scheduler:
         out = SchedulerOutput(scheduled=[], copies=[], preempted=[], forked=self._fork_ready())
         budget = self.config.max_num_batched_tokens
 
-        scheduled_ids = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -85,8 +84,7 @@ class Scheduler:
             if not self._reserve(seq, num_new, out):
                 break  # seq itself was preempted
             self._copy_on_write(seq, out)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
-            scheduled_ids.add(seq.seq_id)
+            self._schedule(seq, num_new, out)
             budget -= num_new
             i += 1
 
@@ -100,9 +98,16 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            self._schedule(seq, num_new, out)
             budget -= num_new
         return out
+
+    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        out.scheduled.append(ScheduledSeq(seq, num_new))
+        # Blocks this step fills are named now, not after the step: a request admitted later in this
+        # same step can then share them, since every layer writes the step's K/V before attending.
+        seq.num_cached_blocks = self.blocks.cache_full_blocks(
+            seq.token_ids, seq.block_ids, seq.num_cached_blocks, seq.num_computed_tokens + num_new)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute for seq this step, 0 if it cannot run now."""

@@ -1,0 +1,207 @@
+"""The engine end to end on a tiny random model: greedy against transformers, the same tokens under
+every scheduling regime, prefix sharing, preemption, sampling, stop conditions, and a pool that is all
+free afterwards with nothing compiled after warm-up."""
+
+import numpy as np
+import pytest
+import torch
+
+from models import load_model
+from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
+
+STEPS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    """(our loaded model, the transformers model) for a SmolLM2-shaped tiny checkpoint."""
+    folder, hf_model = tiny_checkpoint("smollm2")
+    return load_model(folder), hf_model
+
+
+def make_engine(tiny, **options) -> LLMEngine:
+    loaded, _ = tiny
+    return LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(**options))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    """32 prompts of mixed lengths; half open with one shared 37-token prefix, so caching can hit."""
+    vocab = tiny[0].config.vocab_size
+    rng = np.random.default_rng(0)
+    shared = rng.integers(2, vocab, size=37).tolist()
+    out = []
+    for i, n in enumerate(rng.integers(2, 70, size=32)):
+        own = rng.integers(2, vocab, size=int(n)).tolist()
+        out.append(shared + own if i % 2 else own)
+    return out
+
+
+def generate(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    """Every block back in the pool once the prefix cache lets go of its own references."""
+    assert not engine.has_unfinished_requests()
+    engine.blocks.reset_prefix_cache()
+    assert engine.blocks.num_free == engine.blocks.num_blocks - 1
+    assert not np.asarray(engine.blocks.pool.refcounts).any()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], steps: int = STEPS) -> list[int]:
+    ids = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_greedy_batch_matches_transformers(tiny, prompts):
+    engine = make_engine(tiny, block_size=16, num_blocks=256)
+    batch = prompts[:8]
+    assert generate(engine, batch) == [hf_greedy(tiny[1], p) for p in batch]
+    assert_all_free(engine)
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny, prompts):
+    engine = make_engine(tiny, block_size=16, num_blocks=256, max_num_seqs=1, enable_prefix_caching=False)
+    return generate(engine, prompts)
+
+
+REGIMES = {
+    "all_at_once": dict(max_num_seqs=32, max_num_batched_tokens=4096, enable_chunked_prefill=False,
+                        enable_prefix_caching=False),
+    "chunked_prefill": dict(max_num_batched_tokens=48, enable_prefix_caching=False),
+    "prefix_caching": dict(enable_prefix_caching=True),
+    "preempt_recompute": dict(num_blocks=24, max_num_batched_tokens=64, preemption_mode="recompute"),
+    "preempt_swap": dict(num_blocks=24, max_num_batched_tokens=64, preemption_mode="swap"),
+}
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_same_tokens_under_every_regime(tiny, prompts, one_at_a_time, regime):
+    options = dict(block_size=8, num_blocks=512) | REGIMES[regime]
+    engine = make_engine(tiny, **options)
+    assert generate(engine, prompts) == one_at_a_time
+    stats = engine.stats()
+    if regime.startswith("preempt"):
+        assert stats.num_preemptions > 0
+    if regime == "prefix_caching":
+        assert stats.prefix_cache_hit_blocks >= 15 * (37 // 8)
+    assert_all_free(engine)
+    # Warm: the same workload again meets only shapes it has compiled.
+    compiles = engine.runner.num_compiles
+    assert generate(engine, prompts) == one_at_a_time
+    assert engine.runner.num_compiles == compiles
+    assert_all_free(engine)
+
+
+def test_prefix_cache_holds_a_shared_system_prompt_once(tiny):
+    vocab = tiny[0].config.vocab_size
+    rng = np.random.default_rng(1)
+    system = rng.integers(2, vocab, size=200).tolist()
+    prompts = [system + rng.integers(2, vocab, size=10).tolist() for _ in range(16)]
+    block_size = 16
+    engine = make_engine(tiny, block_size=block_size, num_blocks=512, max_num_batched_tokens=4096)
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.step()  # every prompt is admitted and prefilled in this one step
+    seqs = engine.scheduler.running
+    assert len(seqs) == 16
+    full = 200 // block_size  # 12 full blocks of system prompt
+    shared = {tuple(s.block_ids[:full]) for s in seqs}
+    assert len(shared) == 1
+    # 210 tokens need 14 blocks each: 12 shared, 2 of its own.
+    assert engine.blocks.num_blocks - 1 - engine.blocks.num_free == full + 16 * 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(engine)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny, prompts):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    alone = generate(make_engine(tiny, block_size=8, num_blocks=256), [prompts[3]], params)[0]
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    engine = make_engine(tiny, block_size=8, num_blocks=256)
+    batch = prompts[:3] + [prompts[3]] + prompts[4:9]
+    mixed = LLM.from_engine(engine).generate(batch, [others] * 3 + [params] + [others] * 5, use_tqdm=False)
+    assert mixed[3].outputs[0].token_ids == alone
+    assert len({tuple(o.outputs[0].token_ids) for o in mixed}) > 1  # the batch really sampled
+    assert_all_free(engine)
+
+
+def test_n_samples_fork_the_prompt_blocks(tiny, prompts):
+    engine = make_engine(tiny, block_size=8, num_blocks=256)
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    out = LLM.from_engine(engine).generate([prompts[5]], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4
+    assert all(len(c.token_ids) == 10 for c in out.outputs)
+    assert_all_free(engine)
+
+
+def test_max_tokens_min_tokens_and_stop_token_ids(tiny, prompts):
+    engine = make_engine(tiny, block_size=8, num_blocks=256)
+    greedy = generate(engine, [prompts[0]])[0]
+    stop_at = greedy[5]
+    first = greedy.index(stop_at)
+    out = LLM.from_engine(engine).generate(
+        [prompts[0]] * 3,
+        [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+         SamplingParams(temperature=0.0, max_tokens=STEPS, stop_token_ids=[stop_at], ignore_eos=True),
+         SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=first + 1, stop_token_ids=[stop_at],
+                        ignore_eos=True)],
+        use_tqdm=False)
+    assert out[0].outputs[0].token_ids == greedy[:7] and out[0].outputs[0].finish_reason == "length"
+    assert out[1].outputs[0].token_ids == greedy[: first + 1]
+    assert (out[1].outputs[0].finish_reason, out[1].outputs[0].stop_reason) == ("stop", stop_at)
+    # Banned until min_tokens, so the stop token cannot end it at `first`.
+    assert len(out[2].outputs[0].token_ids) > first + 1
+    assert_all_free(engine)
+
+
+def test_prompt_longer_than_max_model_len_is_refused_and_nothing_else_is_disturbed(tiny, prompts):
+    engine = make_engine(tiny, block_size=8, num_blocks=256, max_model_len=64)
+    engine.add_request(prompts[0], GREEDY)
+    with pytest.raises(ValueError, match=r"prompt of 80 tokens is too long: max_model_len is 64"):
+        engine.add_request(list(range(2, 82)), GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request(prompts[1], SamplingParams(temperature=-1.0))
+    results = []
+    while engine.has_unfinished_requests():
+        results += [o for o in engine.step() if o.finished]
+    assert [o.outputs[0].token_ids for o in results] == generate(make_engine(tiny, block_size=8, num_blocks=256), [prompts[0]])
+    assert_all_free(engine)
+
+
+def test_generate_checks_every_request_before_running_any(tiny, prompts):
+    llm = LLM.from_engine(make_engine(tiny, block_size=8, num_blocks=256))
+    with pytest.raises(ValueError, match="too long"):
+        llm.generate([prompts[0], list(range(2, 300))], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert_all_free(llm.engine)
+
+
+def test_abort_frees_blocks_at_once(tiny, prompts):
+    engine = make_engine(tiny, block_size=8, num_blocks=256)
+    ids = [engine.add_request(p, GREEDY) for p in prompts[:4]]
+    engine.step()
+    engine.step()
+    assert engine.blocks.num_free < engine.blocks.num_blocks - 1
+    for request_id in ids:
+        engine.abort_request(request_id)
+    assert_all_free(engine)
+
+
+def test_outputs_report_timing_and_logprobs(tiny, prompts):
+    engine = make_engine(tiny, block_size=8, num_blocks=256)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    out = LLM.from_engine(engine).generate([prompts[2]], params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 6
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert token in entry and entry[token] == max(entry.values())  # greedy picks the top logprob
+        assert len(entry) == 3
+    assert np.isclose(completion.cumulative_logprob, sum(e[t] for t, e in zip(completion.token_ids, completion.logprobs)))
+    assert out.metrics.time_to_first_token > 0 and out.metrics.time_per_output_token > 0
