@@ -1,0 +1,168 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) as flax.nnx modules over a paged KV cache.
+
+The forward pass takes one flat, ragged batch of new tokens (prefill chunks and decode tokens of
+several sequences laid end to end), as the serving engine schedules them.
+
+Weight layouts are chosen for the CPU and for tensor parallelism at once:
+- q/k/v are one weight [hidden, num_kv_heads, group + 2, head_dim]: per KV head its `group` query
+  heads, then its k, then its v. One matmul instead of three (more work per call is faster here), and
+  splitting the kv-head axis over devices hands each device whole q/k/v groups.
+- gate/up are one weight [hidden, 2, intermediate], split over devices on the intermediate axis.
+Every Param carries `out_sharding`: a partition spec over the mesh axis TP_AXIS (column-parallel
+on output dims, row-parallel on input dims, embeddings on vocab); `nnx.get_partition_spec(state)`
+reads them. Construction never shards (eager_sharding=False): placing is the loader's or engine's call.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import kernels_pallas
+from kernels_pallas import AttentionMetadata, KVCache
+from models import rope
+from models.config import ModelConfig
+
+TP_AXIS = "model"  # the mesh axis tensor parallelism splits weights over
+
+
+def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], sharding: tuple, dtype) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=sharding, eager_sharding=False)
+
+
+_normal = jax.nn.initializers.normal(0.02)
+_zeros = jax.nn.initializers.zeros
+_ones = jax.nn.initializers.ones
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, size: int, eps: float, *, dtype, rngs: nnx.Rngs):
+        self.weight = _param(rngs, _ones, (size,), (None,), dtype)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [num_tokens, size] -> same shape and dtype; statistics in float32 as transformers does."""
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.qkv = _param(rngs, _normal, (c.hidden_size, c.num_kv_heads, c.group_size + 2, c.head_dim),
+                          (None, TP_AXIS, None, None), dtype)
+        if c.qkv_bias:
+            self.qkv_bias = _param(rngs, _zeros, (c.num_kv_heads, c.group_size + 2, c.head_dim),
+                                   (TP_AXIS, None, None), dtype)
+        self.o = _param(rngs, _normal, (c.num_heads * c.head_dim, c.hidden_size), (TP_AXIS, None), dtype)
+
+    def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str):
+        """x: [num_tokens, hidden]; cos, sin: float32 [num_tokens, head_dim // 2];
+        k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim].
+
+        Returns the output [num_tokens, hidden] and the pages holding this step's K/V.
+        """
+        c = self.config
+        g = c.group_size
+        qkv = jnp.einsum("th,hkgd->tkgd", x, self.qkv[...])
+        if c.qkv_bias:
+            qkv = qkv + self.qkv_bias[...]
+        qk = rope.apply(qkv[:, :, : g + 1], cos, sin)  # q and k rotate together: one fused op
+        q = qk[:, :, :g].reshape(x.shape[0], c.num_heads, c.head_dim)
+        k, v = qk[:, :, g], qkv[:, :, g + 1]  # [num_tokens, num_kv_heads, head_dim]
+        k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, metadata.slot_mapping, k, v)
+        out = kernels_pallas.paged_attention(
+            q, k_pages, v_pages, metadata, scale=c.head_dim**-0.5, backend=attn_backend
+        )
+        return out.reshape(x.shape[0], -1) @ self.o[...], k_pages, v_pages
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.gate_up = _param(rngs, _normal, (c.hidden_size, 2, c.intermediate_size), (None, None, TP_AXIS), dtype)
+        self.down = _param(rngs, _normal, (c.intermediate_size, c.hidden_size), (TP_AXIS, None), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [num_tokens, hidden] -> [num_tokens, hidden]; SwiGLU."""
+        gate_up = jnp.einsum("th,hgi->tgi", x, self.gate_up[...])
+        return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ self.down[...]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str):
+        """Shapes as Attention.__call__; returns (x, k_pages, v_pages)."""
+        attn, k_pages, v_pages = self.attn(self.input_norm(x), cos, sin, k_pages, v_pages, metadata, attn_backend)
+        x = x + attn
+        return x + self.mlp(self.post_attention_norm(x)), k_pages, v_pages
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.embed = _param(rngs, _normal, (c.vocab_size, c.hidden_size), (TP_AXIS, None), dtype)
+        self.layers = nnx.List([DecoderLayer(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        if not c.tie_word_embeddings:
+            self.lm_head = _param(rngs, _normal, (c.hidden_size, c.vocab_size), (None, TP_AXIS), dtype)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        logits_indices: jax.Array,
+        *,
+        attn_backend: str = "auto",
+    ) -> tuple[jax.Array, KVCache]:
+        """One engine step over a flat ragged batch.
+
+        input_ids: int32 [num_tokens]; padding tokens carry slot -1 in metadata.slot_mapping.
+        positions: int32 [num_tokens], each token's position in its sequence.
+        kv_cache: pages of every layer, [num_blocks, block_size, num_kv_heads, head_dim] each.
+        logits_indices: int32 [num_seqs], rows of the flat batch whose logits are wanted.
+        Returns logits float32 [num_seqs, vocab] and the cache holding this step's K/V.
+        """
+        cos, sin = rope.cos_sin(positions, rope.inv_freq(self.config))
+        x = self.embed[...][input_ids]
+        ks, vs = [], []
+        for layer, k_pages, v_pages in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+            x, k_pages, v_pages = layer(x, cos, sin, k_pages, v_pages, metadata, attn_backend)
+            ks.append(k_pages)
+            vs.append(v_pages)
+        # Only the sampled rows go through the final norm and the lm_head, the largest matmul.
+        x = self.norm(x[logits_indices])
+        if self.config.tie_word_embeddings:
+            logits = jnp.einsum("th,vh->tv", x, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("th,hv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
+        return logits, KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def make_forward(graphdef: nnx.GraphDef, *, attn_backend: str = "auto"):
+    """The jitted step for the engine: split the model once, `graphdef, state = nnx.split(model)`, then
+
+        logits, kv_cache = forward(state, input_ids, positions, kv_cache, metadata, logits_indices)
+
+    with arguments as in LlamaForCausalLM.__call__. kv_cache is donated, so its pages are updated in
+    place (do not reuse the cache passed in); metadata.max_query_len is static, so each bucket of
+    (num_tokens, num_seqs, max_query_len) compiles once.
+    """
+
+    @functools.partial(jax.jit, donate_argnames=("kv_cache",))
+    def forward(state: nnx.State, input_ids, positions, kv_cache: KVCache, metadata: AttentionMetadata, logits_indices):
+        model = nnx.merge(graphdef, state)
+        return model(input_ids, positions, kv_cache, metadata, logits_indices, attn_backend=attn_backend)
+
+    return forward
