@@ -1,0 +1,60 @@
+"""Tiny random Hugging Face checkpoints of each supported architecture, saved once per session."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+_TINY = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5, attn_implementation="eager",
+)
+# name -> (transformers model class, config); each exercises what sets it apart.
+TINY_ARCHS = {
+    # Llama 3.1's rope scaling, sized so that the test's positions cross all three of its regimes.
+    "llama3": (LlamaForCausalLM, lambda: LlamaConfig(**_TINY, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    # head_dim set apart from hidden_size // num_heads, as Mistral Nemo does.
+    "mistral": (MistralForCausalLM, lambda: MistralConfig(**_TINY, head_dim=32, sliding_window=128)),
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_TINY)),  # biases on q/k/v
+    "smollm2": (LlamaForCausalLM, lambda: LlamaConfig(**_TINY, tie_word_embeddings=True, rope_theta=100000.0)),
+}
+
+# The transformers references are small models. With two threads, torch's forward waits on a core that
+# another process holds: ten SmolLM2 forwards took 36 s that way against 2 s on one thread.
+torch.set_num_threads(1)
+
+
+def make_tiny_model(arch: str) -> torch.nn.Module:
+    """A float32 transformers model with every weight random.
+
+    transformers initializes norms to 1 and biases to 0; a loader that dropped them would pass.
+    """
+    model_class, config = TINY_ARCHS[arch]
+    torch.manual_seed(sorted(TINY_ARCHS).index(arch))
+    model = model_class(config()).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.15)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """arch -> (folder holding config.json and model.safetensors, the transformers model), made once."""
+    made: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def get(arch: str) -> tuple[Path, torch.nn.Module]:
+        if arch not in made:
+            model = make_tiny_model(arch)
+            folder = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(folder)
+            made[arch] = folder, model
+        return made[arch]
+
+    return get

@@ -1,0 +1,243 @@
+"""The model against transformers: logits of ragged batches, and greedy generation through the paged
+cache, for each architecture (tiny random checkpoints) and for the real SmolLM2 GGUF."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM
+
+from conftest import TINY_ARCHS
+from kernels_pallas import AttentionMetadata, KVCache, init_kv_cache
+from models import TP_AXIS, LlamaForCausalLM, ModelConfig, load_model, make_forward
+from models.loader import resolve
+
+GREEDY_STEPS = 32
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def nan_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> KVCache:
+    """A cache whose every slot is NaN until written: reading a slot nobody wrote poisons the logits."""
+    cache = init_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype)
+    return jax.tree.map(lambda pages: jnp.full_like(pages, jnp.nan), cache)
+
+
+def block_tables_for(num_seqs: int, max_len: int, block_size: int) -> np.ndarray:
+    """int32 [num_seqs, blocks_per_seq]: shuffled physical blocks, block 0 left unused, so the
+    sequences' pages interleave in the cache."""
+    blocks_per_seq = -(-max_len // block_size)
+    return 1 + np.random.default_rng(0).permutation(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq)
+
+
+def make_step(chunks: list[tuple[list[int], int]], block_tables: np.ndarray, block_size: int, *,
+              num_tokens: int, max_query_len: int):
+    """The engine's job, by hand: one flat batch from chunks[i] = (new tokens of sequence i, how many of
+    its tokens are cached already); a sequence with no new tokens is padding.
+
+    block_tables: int32 [num_seqs, blocks_per_seq]. num_tokens and max_query_len are the step's shape
+    bucket: the tokens are padded to num_tokens.
+    Returns input_ids, positions (int32 [num_tokens]), metadata, and int32 [num_seqs], the row of
+    each sequence's last new token.
+    """
+    q_lens = [len(tokens) for tokens, _ in chunks]
+    assert sum(q_lens) <= num_tokens and max(q_lens) <= max_query_len
+    ids, positions = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
+    slots = np.full(num_tokens, -1, np.int32)
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq_lens = np.zeros(len(chunks), np.int32)
+    for i, (tokens, cached) in enumerate(chunks):
+        rows = slice(starts[i], starts[i + 1])
+        pos = np.arange(cached, cached + len(tokens))
+        ids[rows], positions[rows] = tokens, pos
+        slots[rows] = block_tables[i, pos // block_size] * block_size + pos % block_size
+        seq_lens[i] = cached + len(tokens) if tokens else 0
+    metadata = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots),
+        block_tables=jnp.asarray(block_tables, jnp.int32),
+        seq_lens=jnp.asarray(seq_lens),
+        query_start_loc=jnp.asarray(starts),
+        max_query_len=max_query_len,
+    )
+    last_rows = np.maximum(starts[1:] - 1, 0).astype(np.int32)
+    return jnp.asarray(ids), jnp.asarray(positions), metadata, jnp.asarray(last_rows)
+
+
+def paged_greedy(forward, state, config, prompts, *, block_size: int, chunk_size: int) -> list[list[int]]:
+    """GREEDY_STEPS greedy tokens per prompt, all sequences batched in each step; prompts enter in
+    chunks of at most chunk_size tokens, so prefill chunks and decode tokens share steps.
+
+    Two shape buckets, so two compilations: steps with a prompt chunk, and pure decode steps.
+    """
+    num_seqs = len(prompts)
+    tables = block_tables_for(num_seqs, max(map(len, prompts)) + GREEDY_STEPS, block_size)
+    cache = nan_cache(config, 1 + tables.size, block_size)
+    tokens = [list(p) for p in prompts]
+    cached = [0] * num_seqs
+    generated = [[] for _ in prompts]
+    while any(len(g) < GREEDY_STEPS for g in generated):
+        chunks = [
+            (t[c : c + chunk_size] if len(g) < GREEDY_STEPS else [], c)
+            for t, c, g in zip(tokens, cached, generated)
+        ]
+        if max(len(new) for new, _ in chunks) > 1:
+            shape = dict(num_tokens=_bucket(sum(min(len(p), chunk_size) for p in prompts)),
+                         max_query_len=_bucket(min(max(map(len, prompts)), chunk_size)))
+        else:
+            shape = dict(num_tokens=num_seqs, max_query_len=1)
+        ids, positions, metadata, last_rows = make_step(chunks, tables, block_size, **shape)
+        logits, cache = forward(state, ids, positions, cache, metadata, last_rows)
+        assert np.isfinite(np.asarray(logits)).all()
+        best = np.asarray(jnp.argmax(logits, axis=-1))
+        for i, (new, _) in enumerate(chunks):
+            cached[i] += len(new)
+            if new and cached[i] == len(tokens[i]):
+                tokens[i].append(int(best[i]))
+                generated[i].append(int(best[i]))
+    return generated
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int]) -> list[int]:
+    """GREEDY_STEPS greedy tokens from transformers with its own KV cache, never stopping at EOS."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    generated = []
+    while True:
+        generated.append(int(out.logits[0, -1].argmax()))
+        if len(generated) == GREEDY_STEPS:
+            return generated
+        out = model(torch.tensor([generated[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_ARCHS))
+def tiny(request, tiny_checkpoint):
+    """(transformers model, our config, split state, jitted forward) for one architecture."""
+    folder, hf_model = tiny_checkpoint(request.param)
+    model, config, _ = load_model(folder)
+    graphdef, state = nnx.split(model)
+    return hf_model, config, state, make_forward(graphdef)
+
+
+def random_prompts(config: ModelConfig, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
+
+
+def ragged_logits(forward, state, config, prompts, *, block_size=6, cache_dtype=jnp.float32) -> list[np.ndarray]:
+    """float32 [len(prompt), vocab] per prompt: every row's logits, all prompts in one flat batch."""
+    tables = block_tables_for(len(prompts), max(map(len, prompts)), block_size)
+    num_tokens = sum(map(len, prompts))
+    ids, positions, metadata, _ = make_step(
+        [(p, 0) for p in prompts], tables, block_size, num_tokens=num_tokens, max_query_len=max(map(len, prompts))
+    )
+    all_rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    cache = nan_cache(config, 1 + tables.size, block_size, cache_dtype)
+    logits, _ = forward(state, ids, positions, cache, metadata, all_rows)
+    assert logits.dtype == jnp.float32
+    return np.split(np.asarray(logits), np.cumsum(list(map(len, prompts)))[:-1])
+
+
+# 70 tokens pass llama3 rope's original 64 positions; the block size of 6 divides no length.
+LOGIT_PROMPT_LENGTHS = (7, 13, 70)
+
+
+def test_logits_match_transformers(tiny):
+    hf_model, config, state, forward = tiny
+    prompts = random_prompts(config, LOGIT_PROMPT_LENGTHS)
+    for prompt, got in zip(prompts, ragged_logits(forward, state, config, prompts), strict=True):
+        with torch.no_grad():
+            want = hf_model(torch.tensor([prompt])).logits[0].numpy()
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("chunk_size", [64, 5], ids=["whole", "chunked"])
+def test_greedy_through_paged_cache_matches_transformers(tiny, chunk_size):
+    hf_model, config, state, forward = tiny
+    prompts = random_prompts(config, (9, 23, 14))
+    got = paged_greedy(forward, state, config, prompts, block_size=4, chunk_size=chunk_size)
+    assert got == [hf_greedy(hf_model, p) for p in prompts]
+
+
+def test_bfloat16_tracks_float32(tiny_checkpoint):
+    """bfloat16 parameters and cache: logits near float32's, and the same argmax almost everywhere."""
+    folder, _ = tiny_checkpoint("llama3")
+    logits = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model, config, _ = load_model(folder, dtype=dtype)
+        graphdef, state = nnx.split(model)
+        assert {leaf.dtype for leaf in jax.tree.leaves(state)} == {jnp.dtype(dtype)}
+        prompts = random_prompts(config, LOGIT_PROMPT_LENGTHS)
+        logits.append(np.concatenate(ragged_logits(make_forward(graphdef), state, config, prompts, cache_dtype=dtype)))
+    f32, bf16 = logits
+    assert np.abs(bf16 - f32).max() <= 0.06 * np.abs(f32).max()
+    assert (bf16.argmax(-1) == f32.argmax(-1)).mean() >= 0.9
+
+
+# What each weight's dims mean for tensor parallelism, by the param's name.
+EXPECTED_SHARDING = {
+    "embed": (TP_AXIS, None),  # vocab
+    "lm_head": (None, TP_AXIS),  # vocab
+    "qkv": (None, TP_AXIS, None, None),  # column-parallel: kv heads
+    "qkv_bias": (TP_AXIS, None, None),
+    "o": (TP_AXIS, None),  # row-parallel: input dim
+    "gate_up": (None, None, TP_AXIS),  # column-parallel: intermediate
+    "down": (TP_AXIS, None),  # row-parallel: intermediate
+    "weight": (None,),  # norms, replicated
+}
+
+
+def test_every_param_carries_a_partition_spec(tiny):
+    hf_model, config, state, forward = tiny
+    names = set()
+    for path, param in nnx.to_flat_state(state):
+        assert isinstance(param, nnx.Param)
+        assert param.get_metadata()["out_sharding"] == EXPECTED_SHARDING[path[-1]], path
+        names.add(path[-1])
+    assert "lm_head" in names or config.tie_word_embeddings
+    assert "qkv_bias" in names or not config.qkv_bias
+    # The specs place the state on a mesh (sharding propagated by the compiler: Auto axes), and the
+    # placed model computes what the unplaced one does.
+    mesh = jax.make_mesh((len(jax.devices()),), (TP_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    placed = jax.device_put(state, nnx.get_named_sharding(state, mesh))
+    prompts = random_prompts(config, (5, 9))
+    unplaced = ragged_logits(forward, state, config, prompts)
+    for got, want in zip(ragged_logits(forward, placed, config, prompts), unplaced, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+CHAT_PROMPTS = (
+    "Write a short poem about the sea.",
+    "Explain what a hash table is and when to use one.",
+    "What causes the seasons on Earth?",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real SmolLM2-135M-Instruct GGUF, loaded once: ours, its tokenizer, and transformers' own."""
+    model, config, tokenizer = load_model("smollm2-135m")
+    path = resolve("smollm2-135m")
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return model, config, tokenizer, hf_model
+
+
+def test_smollm2_gguf_greedy_matches_transformers(smollm2):
+    model, config, tokenizer, hf_model = smollm2
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (30, 9, 3, 64)
+    assert config.tie_word_embeddings and config.rope_theta == 100000.0 and config.eos_token_ids == (2,)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, return_dict=False)
+        for c in CHAT_PROMPTS
+    ]
+    block_size = 16
+    assert any(len(p) % block_size for p in prompts)
+    graphdef, state = nnx.split(model)
+    got = paged_greedy(make_forward(graphdef), state, config, prompts, block_size=block_size, chunk_size=24)
+    want = [hf_greedy(hf_model, p) for p in prompts]
+    assert got == want
