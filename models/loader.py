@@ -212,6 +212,7 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32) -
     Parameters are stored in `dtype` (float32, the fast one on CPU, or bfloat16); GGUF tensors are
     dequantized first.
     """
+    dtype = jnp.dtype(dtype)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported parameter dtype {dtype}; expected float32 or bfloat16")
     path = resolve(name_or_path)

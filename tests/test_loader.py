@@ -156,6 +156,11 @@ def test_unsupported_architecture_in_gguf(tmp_path):
         load_model(path)
 
 
+def test_unsupported_parameter_dtype(folder):
+    with pytest.raises(ValueError, match="unsupported parameter dtype float16"):
+        load_model(folder, dtype="float16")
+
+
 def test_neither_folder_nor_gguf(tmp_path):
     (path := tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"weights\.bin: neither a Hugging Face model folder nor a \.gguf file"):
