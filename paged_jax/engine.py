@@ -12,11 +12,12 @@ import jax.numpy as jnp
 
 import models
 from kernels_pallas import bytes_per_block
+from paged_jax import beam_search
 from paged_jax.block_manager import BlockManager
 from paged_jax.config import EngineConfig, ResolvedConfig
 from paged_jax.model_runner import ModelRunner
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 from paged_jax.scheduler import ScheduledSeq, Scheduler
 from paged_jax.sequence import Sequence, Status
 
@@ -29,7 +30,9 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # live beams, for beam search
+    arrival_time: float
+    hypotheses: list[beam_search.Hypothesis] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +98,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.use_beam_search:
-            raise NotImplementedError("beam search is not implemented yet")
+            if 2 * params.n > MAX_LOGPROBS:
+                raise ValueError(f"beam width n={params.n} is above {MAX_LOGPROBS // 2}: each beam proposes 2n tokens "
+                                 f"from the sampler's top {MAX_LOGPROBS} logprobs")
+            if params.stop:
+                raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -121,10 +128,13 @@ class LLMEngine:
         # A request with n samples reserves n consecutive sequence ids for its forks.
         for _ in range(params.n - 1):
             next(self._seq_ids)
+        # Beams ask the sampler for their 2n best proposals; n samples fork once the prompt is computed.
+        seq_params = dataclasses.replace(params, logprobs=2 * params.n) if params.use_beam_search else params
+        now = time.monotonic()
         seq = Sequence(seq_id=seq_id, request_id=request_id, token_ids=list(token_ids),
-                       num_prompt_tokens=len(token_ids), params=params, seed=seed,
-                       arrival_time=time.monotonic(), forks=params.n)
-        self._requests[request_id] = _Request(request_id, text, list(token_ids), params, [seq])
+                       num_prompt_tokens=len(token_ids), params=seq_params, seed=seed,
+                       arrival_time=now, forks=1 if params.use_beam_search else params.n)
+        self._requests[request_id] = _Request(request_id, text, list(token_ids), params, [seq], now)
         self.scheduler.add(seq)
         return request_id
 
@@ -165,9 +175,52 @@ class LLMEngine:
             seq.num_computed_tokens += s.num_new_tokens
             if not samples:
                 continue
-            self._append_token(seq, sampled, row, now)
-            touched[seq.request_id] = self._requests[seq.request_id]
+            request = touched[seq.request_id] = self._requests[seq.request_id]
+            if request.params.use_beam_search:
+                width = 2 * request.params.n
+                seq.beam_candidates = list(zip(sampled.top_ids[row, :width].tolist(), sampled.top_logprobs[row, :width].tolist()))
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+            else:
+                self._append_token(seq, sampled, row, now)
+        for request in touched.values():
+            if request.params.use_beam_search and all(b.beam_candidates is not None for b in request.seqs):
+                self._advance_beams(request, now)
         return [self._output(r) for r in touched.values()]
+
+    def _advance_beams(self, request: _Request, now: float) -> None:
+        params = request.params
+        beams = request.seqs
+        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        banned = ending if beams[0].num_output_tokens < params.min_tokens else set()
+        selection = beam_search.select(beams, params.n, frozenset(ending), frozenset(banned))
+        request.hypotheses += selection.finished
+        # Forks first, while every parent still holds the tokens its children continue from.
+        continuing, live = set(), []
+        for parent, token, total in selection.survivors:
+            if parent.seq_id in continuing:
+                child = self.scheduler.fork(parent, seq_id=next(self._seq_ids), index=len(live))
+            else:
+                continuing.add(parent.seq_id)
+                child = parent
+            live.append((child, token, total))
+        for beam in beams:
+            if beam.seq_id not in continuing:
+                self.scheduler.finish(beam)
+        request.seqs = []
+        for index, (beam, token, total) in enumerate(live):
+            beam.token_ids.append(token)
+            beam.cumulative_logprob, beam.index, beam.beam_candidates = total, index, None
+            request.seqs.append(beam)
+        lead = request.seqs[0] if request.seqs else None
+        at_length = lead is None or lead.num_output_tokens >= params.max_tokens or lead.num_tokens >= self.resolved.max_model_len
+        if at_length or len(request.hypotheses) >= params.n:
+            for beam in request.seqs:
+                if at_length:
+                    request.hypotheses.append(beam_search.Hypothesis(
+                        tuple(beam.output_token_ids), beam.cumulative_logprob, "length"))
+                beam.finish_time = now
+                self.scheduler.finish(beam)
 
     def _track_peak(self, scheduled: list[ScheduledSeq]) -> None:
         """Peak blocks held by sequences, and the share of their slots holding real tokens."""
@@ -219,6 +272,8 @@ class LLMEngine:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _output(self, request: _Request) -> RequestOutput:
+        if request.params.use_beam_search:
+            return self._beam_output(request)
         completions = []
         for seq in sorted(request.seqs, key=lambda s: s.index):
             text = self._decode(seq.output_token_ids)
@@ -235,7 +290,7 @@ class LLMEngine:
         first = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
         last = [s.finish_time for s in request.seqs if s.finish_time is not None]
         metrics = RequestMetrics(
-            arrival_time=request.seqs[0].arrival_time,
+            arrival_time=request.arrival_time,
             first_token_time=min(first) if first else None,
             finish_time=max(last) if finished and last else None,
             num_output_tokens=max(s.num_output_tokens for s in request.seqs),
@@ -243,6 +298,26 @@ class LLMEngine:
             num_preemptions=sum(s.num_preemptions for s in request.seqs))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              finished, metrics)
+
+    def _beam_output(self, request: _Request) -> RequestOutput:
+        """The live beams while the search runs; the best n hypotheses once it is over."""
+        finished = all(b.is_finished for b in request.seqs)
+        if finished:
+            ranked = beam_search.best(request.hypotheses, request.params.n, request.params.length_penalty)
+            completions = [CompletionOutput(i, self._decode(list(h.token_ids)), list(h.token_ids), h.cumulative_logprob,
+                                            None, h.finish_reason, h.stop_reason) for i, h in enumerate(ranked)]
+            del self._requests[request.request_id]
+        else:
+            completions = [CompletionOutput(b.index, self._decode(b.output_token_ids), list(b.output_token_ids),
+                                            b.cumulative_logprob, None, None) for b in request.seqs]
+        first = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_token_time=min(first) if first else None,
+            finish_time=time.monotonic() if finished else None,
+            num_output_tokens=max((len(c.token_ids) for c in completions), default=0),
+            num_prefix_hit_tokens=0, num_preemptions=sum(s.num_preemptions for s in request.seqs))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, metrics)
 
     # Introspection.
 

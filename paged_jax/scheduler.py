@@ -189,18 +189,19 @@ class Scheduler:
         """Split each parent whose shared prompt is computed into its n samples, sharing its blocks."""
         forked = []
         for parent in [s for s in self.running if s.forks > 1 and s.num_computed_tokens == s.num_tokens - 1]:
-            children = [dataclasses.replace(parent, forks=1, token_ids=list(parent.token_ids), block_ids=list(parent.block_ids), logprobs=[])
-                        for _ in range(parent.forks - 1)]
-            for child in children:
-                self.blocks.share(parent.block_ids)
+            for k in range(parent.forks - 1, 0, -1):
+                forked.append(self.fork(parent, seq_id=parent.seq_id + k, index=parent.index + k))
             parent.forks = 1
-            at = self.running.index(parent)
-            self.running[at + 1 : at + 1] = children
-            for k, child in enumerate(children, start=1):
-                child.index = parent.index + k
-                child.seq_id = parent.seq_id + k
-            forked.extend(children)
-        return forked
+        return forked[::-1]
+
+    def fork(self, parent: Sequence, *, seq_id: int, index: int) -> Sequence:
+        """A copy of parent that shares its KV blocks (copy-on-write) and queues right behind it."""
+        child = dataclasses.replace(parent, seq_id=seq_id, index=index, forks=1, token_ids=list(parent.token_ids),
+                                    block_ids=list(parent.block_ids), logprobs=[], beam_candidates=None)
+        self.blocks.share(parent.block_ids)
+        queue = self.running if parent.status is Status.RUNNING else self.waiting
+        queue.insert(list(queue).index(parent) + 1, child)
+        return child
 
     def finish(self, seq: Sequence) -> None:
         """Retire seq at once and free its blocks (prefix-cached ones stay cached)."""

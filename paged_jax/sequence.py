@@ -44,6 +44,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # Beam search: this beam's proposals (token, logprob) for its next token, awaiting selection.
+    beam_candidates: list[tuple[int, float]] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,10 +1,15 @@
-"""Tiny random Hugging Face checkpoints of each supported architecture, saved once per session."""
+"""Shared fixtures: tiny random Hugging Face checkpoints of each supported architecture, the real
+SmolLM2 GGUF (ours and transformers'), and greedy decoding by transformers as the reference."""
 
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+from models import load_model
+from models.loader import resolve
 
 _TINY = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -58,3 +63,33 @@ def tiny_checkpoint(tmp_path_factory):
         return made[arch]
 
     return get
+
+
+CHAT_PROMPTS = (
+    "Write a short poem about the sea.",
+    "Explain what a hash table is and when to use one.",
+    "What causes the seasons on Earth?",
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct GGUF, loaded once: ours, its tokenizer, and transformers' own."""
+    model, config, tokenizer = load_model("smollm2-135m")
+    path = resolve("smollm2-135m")
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return model, config, tokenizer, hf_model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """`steps` greedy tokens from transformers with its own KV cache, never stopping at EOS."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    generated = []
+    while True:
+        generated.append(int(out.logits[0, -1].argmax()))
+        if len(generated) == steps:
+            return generated
+        out = model(torch.tensor([generated[-1:]]), past_key_values=out.past_key_values, use_cache=True)

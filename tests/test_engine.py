@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import CHAT_PROMPTS, hf_greedy
 from models import load_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 
@@ -50,16 +51,10 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert not np.asarray(engine.blocks.pool.refcounts).any()
 
 
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], steps: int = STEPS) -> list[int]:
-    ids = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-    return ids[0, len(prompt):].tolist()
-
-
 def test_greedy_batch_matches_transformers(tiny, prompts):
     engine = make_engine(tiny, block_size=16, num_blocks=256)
     batch = prompts[:8]
-    assert generate(engine, batch) == [hf_greedy(tiny[1], p) for p in batch]
+    assert generate(engine, batch) == [hf_greedy(tiny[1], p, STEPS) for p in batch]
     assert_all_free(engine)
 
 
@@ -205,3 +200,45 @@ def test_outputs_report_timing_and_logprobs(tiny, prompts):
         assert len(entry) == 3
     assert np.isclose(completion.cumulative_logprob, sum(e[t] for t, e in zip(completion.token_ids, completion.logprobs)))
     assert out.metrics.time_to_first_token > 0 and out.metrics.time_per_output_token > 0
+
+
+@torch.no_grad()
+def test_beam_search_matches_transformers(tiny, prompts):
+    engine = make_engine(tiny, block_size=8, num_blocks=256)
+    width, steps = 4, 8
+    params = SamplingParams(n=width, use_beam_search=True, temperature=0.0, max_tokens=steps, ignore_eos=True)
+    out = LLM.from_engine(engine).generate([prompts[4]], params, use_tqdm=False)[0]
+    # EOS can never end a beam here (ignore_eos / min_new_tokens), so both searches run every step.
+    hf = tiny[1].generate(torch.tensor([prompts[4]]), num_beams=width, num_return_sequences=width, do_sample=False,
+                          max_new_tokens=steps, min_new_tokens=steps, early_stopping=True, length_penalty=1.0,
+                          output_scores=True, return_dict_in_generate=True)
+    assert [c.token_ids for c in out.outputs] == [s[len(prompts[4]):].tolist() for s in hf.sequences]
+    assert np.allclose([c.cumulative_logprob for c in out.outputs], hf.sequences_scores.numpy() * steps, atol=1e-4)
+    assert_all_free(engine)
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2):
+    model, config, tokenizer, _ = smollm2
+    return LLM.from_engine(LLMEngine(model, config, tokenizer, EngineConfig(block_size=16, num_blocks=256)))
+
+
+def test_smollm2_greedy_batch_matches_transformers(smollm2, smollm2_llm):
+    prompts = [smollm2_llm.chat_prompt([{"role": "user", "content": c}]) for c in CHAT_PROMPTS]
+    got = generate(smollm2_llm.engine, prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert got == [hf_greedy(smollm2[3], p, 32) for p in prompts]
+    assert_all_free(smollm2_llm.engine)
+
+
+def test_stop_strings_cut_exactly(smollm2_llm):
+    conversation = [{"role": "user", "content": CHAT_PROMPTS[1]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    full = smollm2_llm.chat(conversation, greedy, use_tqdm=False)[0].outputs[0]
+    stop = full.text[len(full.text) // 2 :][:6]  # a string that first appears mid-answer
+    assert stop and full.text.find(stop) > 0
+    cut = smollm2_llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]), use_tqdm=False)[0]
+    completion = cut.outputs[0]
+    assert completion.text == full.text[: full.text.find(stop)]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    assert completion.token_ids == full.token_ids[: len(completion.token_ids)]
+    assert_all_free(smollm2_llm.engine)

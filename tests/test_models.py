@@ -7,12 +7,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from transformers import AutoModelForCausalLM
 
-from conftest import TINY_ARCHS
+from conftest import CHAT_PROMPTS, TINY_ARCHS, hf_greedy
 from kernels_pallas import AttentionMetadata, KVCache, init_kv_cache
 from models import TP_AXIS, LlamaForCausalLM, ModelConfig, load_model, make_forward
-from models.loader import resolve
 
 GREEDY_STEPS = 32
 
@@ -101,18 +99,6 @@ def paged_greedy(forward, state, config, prompts, *, block_size: int, chunk_size
     return generated
 
 
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int]) -> list[int]:
-    """GREEDY_STEPS greedy tokens from transformers with its own KV cache, never stopping at EOS."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    generated = []
-    while True:
-        generated.append(int(out.logits[0, -1].argmax()))
-        if len(generated) == GREEDY_STEPS:
-            return generated
-        out = model(torch.tensor([generated[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-
-
 @pytest.fixture(scope="module", params=sorted(TINY_ARCHS))
 def tiny(request, tiny_checkpoint):
     """(transformers model, our config, split state, jitted forward) for one architecture."""
@@ -159,7 +145,7 @@ def test_greedy_through_paged_cache_matches_transformers(tiny, chunk_size):
     hf_model, config, state, forward = tiny
     prompts = random_prompts(config, (9, 23, 14))
     got = paged_greedy(forward, state, config, prompts, block_size=4, chunk_size=chunk_size)
-    assert got == [hf_greedy(hf_model, p) for p in prompts]
+    assert got == [hf_greedy(hf_model, p, GREEDY_STEPS) for p in prompts]
 
 
 def test_bfloat16_tracks_float32(tiny_checkpoint):
@@ -209,24 +195,6 @@ def test_every_param_carries_a_partition_spec(tiny):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-CHAT_PROMPTS = (
-    "Write a short poem about the sea.",
-    "Explain what a hash table is and when to use one.",
-    "What causes the seasons on Earth?",
-)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """The real SmolLM2-135M-Instruct GGUF, loaded once: ours, its tokenizer, and transformers' own."""
-    model, config, tokenizer = load_model("smollm2-135m")
-    path = resolve("smollm2-135m")
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return model, config, tokenizer, hf_model
-
-
 def test_smollm2_gguf_greedy_matches_transformers(smollm2):
     model, config, tokenizer, hf_model = smollm2
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (30, 9, 3, 64)
@@ -239,5 +207,5 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2):
     assert any(len(p) % block_size for p in prompts)
     graphdef, state = nnx.split(model)
     got = paged_greedy(make_forward(graphdef), state, config, prompts, block_size=block_size, chunk_size=24)
-    want = [hf_greedy(hf_model, p) for p in prompts]
+    want = [hf_greedy(hf_model, p, GREEDY_STEPS) for p in prompts]
     assert got == want
