@@ -7,6 +7,7 @@ model's fused parameters, and checks its shape against the config on the way.
 import dataclasses
 import importlib.util
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -199,11 +200,26 @@ def _safetensors_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
             yield name, np.asarray(f.get_tensor(name))
 
 
+def cache_dir() -> Path:
+    """Where converted artefacts are kept between runs: $PAGED_JAX_CACHE_DIR or ~/.cache/paged_jax."""
+    return Path(os.environ.get("PAGED_JAX_CACHE_DIR", Path.home() / ".cache" / "paged_jax"))
+
+
 def _tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     if path.is_dir():
         has_tokenizer = any((path / name).exists() for name in _TOKENIZER_FILES)
         return AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # Building a tokenizer from GGUF metadata takes seconds; its saved form loads in a fraction of one.
+    stat = path.stat()
+    saved = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (saved / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tokenizer.save_pretrained(saved)
+    except OSError:
+        pass  # a read-only home only costs the next run the conversion again
+    return tokenizer
 
 
 def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32) -> LoadedModel:

@@ -14,6 +14,8 @@ from paged_jax.scheduler import ScheduledSeq
 
 MIN_TOKENS = 16
 MIN_SEQS = 8
+# Block-table width floor: narrower tables would only add compiled shapes.
+MIN_BLOCKS = 8
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -35,7 +37,7 @@ def build_step_input(scheduled: list[ScheduledSeq], block_size: int) -> StepInpu
     num_tokens = sum(s.num_new_tokens for s in scheduled)
     T = bucket(num_tokens, MIN_TOKENS)
     S = bucket(len(scheduled), MIN_SEQS)
-    W = bucket(max(len(s.seq.block_ids) for s in scheduled))
+    W = bucket(max(len(s.seq.block_ids) for s in scheduled), MIN_BLOCKS)
     max_q = max(s.num_new_tokens for s in scheduled)
     Q = 1 if max_q == 1 else min(T, bucket(max_q, MIN_TOKENS))
 

@@ -15,7 +15,7 @@ class EngineConfig:
     block_size: int = 16
     # KV capacity: an explicit block count wins over a memory budget.
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 4 << 30
+    kv_cache_memory_bytes: int = 2 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None

@@ -8,9 +8,11 @@ import dataclasses
 import itertools
 import time
 
+import jax
 import jax.numpy as jnp
 
 import models
+from models.loader import cache_dir
 from kernels_pallas import bytes_per_block
 from paged_jax import beam_search
 from paged_jax.block_manager import BlockManager
@@ -65,9 +67,17 @@ def resolve(config: EngineConfig, model_config: "models.ModelConfig") -> Resolve
     return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq)
 
 
+def _enable_compilation_cache() -> None:
+    """Keep compiled steps on disk, so a second run starts without compiling (unless the user chose
+    a cache of their own)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+
+
 class LLMEngine:
     def __init__(self, model, model_config, tokenizer, config: EngineConfig | None = None):
         """model: a models.LlamaForCausalLM; tokenizer: a transformers tokenizer."""
+        _enable_compilation_cache()
         self.config = config or EngineConfig()
         self.model_config = model_config
         self.tokenizer = tokenizer
