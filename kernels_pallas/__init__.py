@@ -1,4 +1,4 @@
-"""Paged attention: a Pallas kernel for CUDA GPUs and a plain-jnp path for everything else.
+"""Paged attention: a Pallas kernel for CUDA GPUs and an XLA path (xla_cpu.py) for everything else.
 
 `paged_attention` is the one seam the model calls; the backend is chosen once, by platform.
 """
@@ -10,6 +10,7 @@ from kernels_pallas import paged_attention as _pallas_kernel
 from kernels_pallas.layout import KVCache, bytes_per_block, gather_kv, init_kv_cache, page_shape, write_kv
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import paged_attention_reference
+from kernels_pallas.xla_cpu import paged_attention_xla
 
 import jax
 
@@ -45,7 +46,7 @@ def paged_attention(
         return _pallas_kernel.paged_attention(
             *args, max_query_len=metadata.max_query_len, scale=scale, interpret=interpret
         )
-    return paged_attention_reference(*args, max_query_len=metadata.max_query_len, scale=scale)
+    return paged_attention_xla(*args, max_query_len=metadata.max_query_len, scale=scale)
 
 
 __all__ = [
@@ -59,5 +60,6 @@ __all__ = [
     "page_shape",
     "paged_attention",
     "paged_attention_reference",
+    "paged_attention_xla",
     "write_kv",
 ]

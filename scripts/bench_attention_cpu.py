@@ -1,12 +1,18 @@
-"""Decode attention on the CPU: the jnp reference against alternative XLA formulations.
+"""Attention on the CPU, one layer at engine-shaped steps: the jnp reference against the XLA path.
 
-    python scripts/bench_attention_cpu.py --num-seqs 64 --context 600
+    python scripts/bench_attention_cpu.py                  # SmolLM2-135M shapes, float32
+    python scripts/bench_attention_cpu.py --dtype bfloat16 --rounds 2 --only decode
 
-Prints the median time of each variant and its error against the reference. The alternatives live
-here, not in the library, until one of them wins.
+Each scenario is a step shaped as the engine shapes one (token, sequence and block-table widths
+bucketed to powers of two as paged_jax/batch.py does, decode rows first, pages in random order), and
+every variant runs on the same inputs, interleaved, so a noisy machine slows them alike. Prints the median time of each,
+its error against the reference, and the time to read the step's live K/V once at 20 GB/s (the
+memory-bandwidth floor). For decode scenarios the 2-page chunked scan measured earlier is a third
+column.
 """
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -15,24 +21,32 @@ import numpy as np
 
 from kernels_pallas import layout
 from kernels_pallas.reference import paged_attention_reference
+from kernels_pallas.xla_cpu import paged_attention_xla
+from paged_jax.batch import MIN_SEQS, MIN_TOKENS, bucket
+
+BANDWIDTH = 20e9  # bytes/s, read + write, measured on this machine kind (see /work/shared/CPU.md)
 
 
-def decode_dense(q, k_pages, v_pages, block_tables, seq_lens):
-    """The reference's math for one token per sequence, without its ragged gather/scatter of q."""
-    num_seqs, num_heads, dim = q.shape
-    kvh = k_pages.shape[2]
-    k = layout.gather_kv(k_pages, block_tables).astype(jnp.float32)  # [S, K, KVH, D]
-    v = layout.gather_kv(v_pages, block_tables).astype(jnp.float32)
-    valid = jnp.arange(k.shape[1])[None, :] < seq_lens[:, None]  # [S, K]
-    v = jnp.where(valid[:, :, None, None], v, 0.0)
-    qs = q.astype(jnp.float32).reshape(num_seqs, kvh, num_heads // kvh, dim) * dim**-0.5
-    scores = jnp.where(valid[:, None, None], jnp.einsum("shgd,skhd->shgk", qs, k), -jnp.inf)
-    p = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("shgk,skhd->shgd", p, v).reshape(q.shape).astype(q.dtype)
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    cached: tuple[int, ...]  # context already in the cache, per sequence
+    new: tuple[int, ...]  # new tokens this step, per sequence; decode rows (1) first
 
 
-def decode_chunked(q, k_pages, v_pages, block_tables, seq_lens, pages_per_chunk=8):
-    """Online softmax over chunks of block-table columns: gathers a chunk at a time, never all K/V."""
+def scenarios(rng) -> list[Scenario]:
+    return [
+        Scenario("decode 64 x 600", (599,) * 64, (1,) * 64),
+        Scenario("decode 16 x 300", (299,) * 16, (1,) * 16),
+        Scenario("prefill 2 x 512", (0, 0), (512, 512)),
+        Scenario(
+            "mixed 48 dec ~400 + 512 after 256", tuple(rng.integers(350, 450, 48)) + (256,), (1,) * 48 + (512,)
+        ),
+    ]
+
+
+def decode_chunked(q, k_pages, v_pages, block_tables, seq_lens, pages_per_chunk=2):
+    """The earlier candidate: an online softmax over 2-page chunks of the whole block table (lax.scan)."""
     num_seqs, num_heads, dim = q.shape
     _, block_size, kvh, _ = k_pages.shape
     group = num_heads // kvh
@@ -58,65 +72,85 @@ def decode_chunked(q, k_pages, v_pages, block_tables, seq_lens, pages_per_chunk=
     return (acc / jnp.maximum(l, 1e-30)).reshape(q.shape).astype(q.dtype)
 
 
-def decode_sdpa(q, k_pages, v_pages, block_tables, seq_lens):
-    """jax.nn.dot_product_attention (XLA implementation) over gathered K/V, V masked for NaN safety."""
-    k = layout.gather_kv(k_pages, block_tables)
-    v = layout.gather_kv(v_pages, block_tables)
-    v = jnp.where((jnp.arange(v.shape[1])[None, :] < seq_lens[:, None])[:, :, None, None], v, 0)
-    out = jax.nn.dot_product_attention(q[:, None], k, v, key_value_seq_lengths=seq_lens, implementation="xla")
-    return out[:, 0]
+def make_step(scenario: Scenario, args, rng):
+    """Random pages and a step laid out as the engine would: (inputs, max_query_len)."""
+    bs, kvh, dim = args.block_size, args.num_kv_heads, args.head_dim
+    seq_lens = np.add(scenario.cached, scenario.new)
+    blocks = -(-seq_lens // bs)
+    num_tokens = int(sum(scenario.new))
+    T, S, W = bucket(num_tokens, MIN_TOKENS), bucket(len(seq_lens), MIN_SEQS), bucket(int(blocks.max()))
+    max_new = max(scenario.new)
+    Q = 1 if max_new == 1 else min(T, bucket(max_new, MIN_TOKENS))
+    num_blocks = int(blocks.sum()) + 1
+    shape = layout.page_shape(num_blocks, bs, kvh, dim)
+    dtype = jnp.dtype(args.dtype)
+    k_pages = jnp.asarray(rng.standard_normal(shape), dtype)
+    v_pages = jnp.asarray(rng.standard_normal(shape), dtype)
+    tables = np.zeros((S, W), np.int32)
+    pages = rng.permutation(num_blocks)
+    for i, n in enumerate(blocks):
+        tables[i, :n], pages = pages[:n], pages[n:]
+    lens = np.zeros(S, np.int32)
+    lens[: len(seq_lens)] = seq_lens
+    starts = np.full(S + 1, num_tokens, np.int32)
+    starts[: len(seq_lens)] = np.cumsum((0,) + scenario.new[:-1])
+    q = jnp.asarray(rng.standard_normal((T, args.num_heads, dim)), dtype)
+    inputs = (q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(starts))
+    return inputs, Q
 
 
-def median_seconds(f, args, repeats):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def median_ms(fns, inputs, rounds, calls=5):
+    """Median milliseconds of each function over `rounds` turns of `calls` calls each.
+
+    Turns interleave so that the machine's noise hits every function alike; several calls a turn
+    keep one function's after-effects (the reference frees hundreds of MB, so the next function's
+    buffers page-fault again) out of the median.
+    """
+    for f in fns.values():
+        jax.block_until_ready(f(*inputs))
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            for _ in range(calls):
+                start = time.perf_counter()
+                jax.block_until_ready(f(*inputs))
+                times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-seqs", type=int, default=64)
-    parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--num-heads", type=int, default=9)
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved turns of 5 calls per variant")
+    parser.add_argument("--only", help="run the scenarios whose name contains this")
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
-    dtype = jnp.dtype(args.dtype)
-    s, bs = args.num_seqs, args.block_size
-    max_blocks = -(-args.context // bs)
-    num_blocks = s * max_blocks
-    shape = layout.page_shape(num_blocks, bs, args.num_kv_heads, args.head_dim)
-    k_pages = jnp.asarray(rng.standard_normal(shape), dtype)
-    v_pages = jnp.asarray(rng.standard_normal(shape), dtype)
-    block_tables = jnp.asarray(rng.permutation(num_blocks).reshape(s, max_blocks), jnp.int32)
-    seq_lens = jnp.asarray(rng.integers(args.context // 2, args.context + 1, s), jnp.int32)
-    q = jnp.asarray(rng.standard_normal((s, args.num_heads, args.head_dim)), dtype)
-    inputs = (q, k_pages, v_pages, block_tables, seq_lens)
-    kv_bytes = 2 * int(seq_lens.sum()) * args.num_kv_heads * args.head_dim * dtype.itemsize
-    print(f"{s} seqs, context <= {args.context}, {args.dtype}: {kv_bytes / 1e6:.1f} MB of live K/V per call")
-
-    reference = jax.jit(
-        lambda q, k, v, bt, sl: paged_attention_reference(
-            q, k, v, bt, sl, jnp.arange(s + 1, dtype=jnp.int32), max_query_len=1
-        )
-    )
-    expected = np.asarray(reference(*inputs), np.float64)
-    variants = dict(reference=reference, decode_dense=jax.jit(decode_dense), sdpa_xla=jax.jit(decode_sdpa))
-    for pages in (1, 2, 4, 8):
-        variants[f"chunked_{pages}_pages"] = jax.jit(lambda *a, p=pages: decode_chunked(*a, pages_per_chunk=p))
-    for name, f in variants.items():
-        seconds = median_seconds(f, inputs, args.repeats)
-        err = np.linalg.norm(np.asarray(f(*inputs), np.float64) - expected) / np.linalg.norm(expected)
-        print(f"{name:>18}: {seconds * 1e3:7.2f} ms  {kv_bytes / seconds / 1e9:5.1f} GB/s  rel err {err:.1e}")
+    itemsize = jnp.dtype(args.dtype).itemsize
+    print(f"one layer: {args.num_heads} heads / {args.num_kv_heads} KV heads, head_dim {args.head_dim},"
+          f" block {args.block_size}, {args.dtype}; medians of {5 * args.rounds} calls (ms)")
+    print(f"{'scenario':>34} {'floor':>6} {'reference':>10} {'xla':>8} {'speedup':>8} {'chunked-2':>10}  rel err")
+    for scenario in scenarios(rng):
+        if args.only and args.only not in scenario.name:
+            continue
+        inputs, Q = make_step(scenario, args, rng)
+        fns = {
+            "reference": jax.jit(lambda *a, Q=Q: paged_attention_reference(*a, max_query_len=Q)),
+            "xla": jax.jit(lambda *a, Q=Q: paged_attention_xla(*a, max_query_len=Q)),
+        }
+        if Q == 1:
+            fns["chunked"] = jax.jit(lambda q, k, v, bt, sl, _: decode_chunked(q[: bt.shape[0]], k, v, bt, sl))
+        ms = median_ms(fns, inputs, args.rounds)
+        expected = np.asarray(fns["reference"](*inputs), np.float64)
+        err = np.linalg.norm(np.asarray(fns["xla"](*inputs), np.float64) - expected) / np.linalg.norm(expected)
+        kv_bytes = 2 * int(inputs[4].sum()) * args.num_kv_heads * args.head_dim * itemsize
+        chunked = f"{ms['chunked']:10.2f}" if "chunked" in ms else f"{'':>10}"
+        print(f"{scenario.name:>34} {kv_bytes / BANDWIDTH * 1e3:6.2f} {ms['reference']:10.2f} {ms['xla']:8.2f}"
+              f" {ms['reference'] / ms['xla']:7.1f}x {chunked}  {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":
