@@ -1,25 +1,33 @@
-"""Paged attention: a Pallas kernel for CUDA GPUs and an XLA path (xla_cpu.py) for everything else.
+"""Paged attention: a Pallas kernel for CUDA GPUs, a C++ kernel for the CPU called through XLA's FFI
+(cpu_kernel.py), and a pure-XLA path (xla_cpu.py) for everything else.
 
-`paged_attention` is the one seam the model calls; the backend is chosen once, by platform.
+`paged_attention` is the one seam the model calls; "auto" chooses by platform and dtype.
 """
 
 # Imported before `paged_attention` below is defined: importing a submodule binds its name on the
 # package, so a later first import of kernels_pallas.paged_attention would replace the function with
 # the module and `kernels_pallas.paged_attention(...)` would stop being callable.
 from kernels_pallas import paged_attention as _pallas_kernel
+from kernels_pallas import cpu_kernel
 from kernels_pallas.layout import KVCache, bytes_per_block, gather_kv, init_kv_cache, page_shape, write_kv
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.xla_cpu import paged_attention_xla
 
 import jax
+import jax.numpy as jnp
 
-BACKENDS = ("auto", "pallas", "xla")
+BACKENDS = ("auto", "pallas", "cpu", "xla")
 
 
-def default_backend() -> str:
-    """The Pallas kernel on a GPU, the XLA path everywhere else."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+def default_backend(dtype=jnp.float32) -> str:
+    """The Pallas kernel on a GPU; on the CPU the C++ kernel for float32 where it builds; else XLA."""
+    platform = jax.default_backend()
+    if platform == "gpu":
+        return "pallas"
+    if platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_kernel.available():
+        return "cpu"
+    return "xla"
 
 
 def paged_attention(
@@ -40,12 +48,14 @@ def paged_attention(
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        backend = default_backend()
+        backend = default_backend(jnp.promote_types(q.dtype, k_pages.dtype))
     args = (q, k_pages, v_pages, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
     if backend == "pallas":
         return _pallas_kernel.paged_attention(
             *args, max_query_len=metadata.max_query_len, scale=scale, interpret=interpret
         )
+    if backend == "cpu":
+        return cpu_kernel.paged_attention_cpu(*args, scale=scale)
     return paged_attention_xla(*args, max_query_len=metadata.max_query_len, scale=scale)
 
 

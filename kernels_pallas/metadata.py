@@ -22,8 +22,3 @@ class AttentionMetadata:
     query_start_loc: jax.Array  # int32 [num_seqs + 1] cumulative new-token offsets, [0] = 0
     # Static upper bound on any sequence's new tokens in this step (a bucket, so shapes stay fixed).
     max_query_len: int = dataclasses.field(metadata=dict(static=True), default=1)
-    # A promise the engine makes, static (bucketed): rows [0, decode_rows) have q_len <= 1 and row i's
-    # token (if any) is flat token i; the remaining rows may be anything. No backend needs it: the Pallas
-    # kernel and the reference are correct for any batch, and the XLA path (xla_cpu.py) finds the rows
-    # with one new token at run time. When max_query_len == 1 every row is a decode row.
-    decode_rows: int = dataclasses.field(metadata=dict(static=True), default=0)

@@ -3,7 +3,8 @@
 import dataclasses
 from typing import Literal
 
-ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+from kernels_pallas import BACKENDS
+
 DTYPES = ("float32", "bfloat16")
 
 
@@ -39,8 +40,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

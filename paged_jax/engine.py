@@ -174,8 +174,7 @@ class LLMEngine:
             self._requests[child.request_id].seqs.append(child)
         if not out.scheduled:
             return []
-        # Decode rows first: the attention path can then treat them as one q_len-1 block.
-        scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        scheduled = out.scheduled
         sampled = self.runner.execute(scheduled, out.copies)
         self._track_peak(scheduled)
         now = time.monotonic()

@@ -164,7 +164,7 @@ def test_scale_and_bucketed_max_query_len(batch):
 
 
 def test_seam_under_jit():
-    """The model calls the seam inside its jitted step; decode_rows, where the engine sets it, is static."""
+    """The model calls the seam inside its jitted step."""
     case = Case(**MIXED)
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc = make_inputs(case, seed=2)
 
@@ -178,7 +178,6 @@ def test_seam_under_jit():
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
         max_query_len=case.max_query_len,
-        decode_rows=3,
     )
     ref = paged_attention_reference(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len=case.max_query_len

@@ -1,0 +1,170 @@
+// Paged attention for the CPU as an XLA FFI custom call: the same maths as reference.py, float32.
+//
+// XLA's CPU backend gathers pages into contiguous copies and runs many tiny batched matmuls; this
+// kernel instead streams each sequence's pages once through the cache, flash-attention style: a
+// tile of query rows (the query heads of one KV head, for up to kTileQ new tokens) meets one K/V
+// block at a time, with an online softmax, so K/V are read once per tile and never copied.
+// Work items (sequence, KV head, query tile) are shared out over XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <latch>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kTileQ = 16;
+constexpr int kTransposeRows = 8;  // rows from which transposing a K block pays for itself  // new tokens per work item: bounds a tile's accumulators to L1 size
+// Below any real score, and finite: the kernel is built with -ffast-math (vectorised exp), which
+// assumes no infinities. exp(kNoScore - m) is 0.
+constexpr float kNoScore = -1e30f;
+
+struct Shapes {
+  int64_t num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, num_seqs, max_blocks;
+};
+
+struct WorkItem {
+  int seq, kv_head, first, last;  // new tokens [first, last) of sequence seq
+};
+
+// Rows of a tile are (token i, head g) pairs; acc holds their running sum of p * V.
+void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const float* v_pages,
+                const int32_t* block_tables, int seq_len, int q_start, int q_len, const WorkItem& w,
+                float scale, float* out) {
+  const int64_t D = sh.head_dim, G = sh.num_heads / sh.num_kv_heads, BS = sh.block_size;
+  const int64_t rows = (w.last - w.first) * G;
+  const int64_t kv_stride = sh.num_kv_heads * D;  // between consecutive tokens of a page
+  std::vector<float> acc(rows * D, 0.0f), m(rows, kNoScore), l(rows, 0.0f), s(BS);
+  std::vector<float> qrows(rows * D), kt(D * BS, 0.0f);
+  std::vector<int> limit(rows);  // last position each row may see (causal)
+  for (int i = w.first; i < w.last; ++i) {
+    for (int g = 0; g < G; ++g) {
+      const int64_t r = (i - w.first) * G + g;
+      const float* src = q + ((q_start + i) * sh.num_heads + w.kv_head * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d] * scale;
+      limit[r] = seq_len - q_len + i;
+    }
+  }
+  const int last_pos = seq_len - q_len + w.last - 1;
+  const int32_t* table = block_tables + w.seq * sh.max_blocks;
+  for (int b = 0; b * BS <= last_pos; ++b) {
+    const int64_t base = (int64_t)table[b] * BS * kv_stride + w.kv_head * D;
+    const float* kb = k_pages + base;
+    const float* vb = v_pages + base;
+    const int valid = (int)std::min<int64_t>(BS, last_pos + 1 - b * BS);
+    // Many rows (a prefill tile) share one transposed copy of K, [head_dim][position]: each row's
+    // scores are then FMAs across positions with no horizontal sums. A few rows (a decode) read K
+    // in place. Only written slots are read: the rest may hold NaN.
+    const bool transposed = rows >= kTransposeRows;
+    if (transposed)
+      for (int t = 0; t < valid; ++t)
+        for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = kb[t * kv_stride + d];
+    for (int64_t r = 0; r < rows; ++r) {
+      // Causality masks a suffix of the block: the row sees positions [0, n) of it.
+      const int n = std::min(valid, limit[r] - b * (int)BS + 1);
+      if (n <= 0) continue;
+      const float* qr = &qrows[r * D];
+      if (transposed) {
+        for (int t = 0; t < BS; ++t) s[t] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qr[d];
+          const float* kd = &kt[d * BS];
+          for (int t = 0; t < BS; ++t) s[t] += qd * kd[t];
+        }
+      } else {
+        for (int t = 0; t < n; ++t) {
+          const float* kt_row = kb + t * kv_stride;
+          float dot = 0.0f;
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt_row[d];
+          s[t] = dot;
+        }
+      }
+      float block_max = kNoScore;
+      for (int t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+      const float m_new = std::max(m[r], block_max);
+      const float alpha = std::exp(m[r] - m_new);  // 0 on the first block
+      float sum = 0.0f;
+      for (int t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - m_new);
+        sum += s[t];
+      }
+      float* ar = &acc[r * D];
+      for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+      for (int t = 0; t < n; ++t) {
+        const float p = s[t];
+        const float* vt = vb + t * kv_stride;
+        for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+    }
+  }
+  for (int i = w.first; i < w.last; ++i) {
+    for (int g = 0; g < G; ++g) {
+      const int64_t r = (i - w.first) * G + g;
+      float* dst = out + ((q_start + i) * sh.num_heads + w.kv_head * G + g) * D;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+    }
+  }
+}
+
+ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                             ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
+                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                             float scale, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), pd = k_pages.dimensions(), bd = block_tables.dimensions();
+  const Shapes sh{qd[0], qd[1], qd[2], pd[0], pd[1], pd[2], bd[0], bd[1]};
+  std::memset(out->typed_data(), 0, sizeof(float) * sh.num_tokens * sh.num_heads * sh.head_dim);
+  const int32_t* lens = seq_lens.typed_data();
+  const int32_t* starts = query_start_loc.typed_data();
+
+  std::vector<WorkItem> items;
+  for (int s = 0; s < sh.num_seqs; ++s) {
+    const int q_len = starts[s + 1] - starts[s];
+    if (q_len <= 0 || lens[s] <= 0) continue;
+    for (int h = 0; h < sh.num_kv_heads; ++h)
+      for (int first = 0; first < q_len; first += kTileQ)
+        items.push_back({s, h, first, std::min(first + kTileQ, q_len)});
+  }
+  // Longest contexts first, so the last items handed out are the short ones.
+  std::sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
+    return lens[a.seq] - (starts[a.seq + 1] - starts[a.seq]) + a.last >
+           lens[b.seq] - (starts[b.seq + 1] - starts[b.seq]) + b.last;
+  });
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < items.size();) {
+      const WorkItem& w = items[i];
+      AttendTile(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), block_tables.typed_data(),
+                 lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq], w, scale, out->typed_data());
+    }
+  };
+  const int helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), (int64_t)items.size() - 1));
+  std::latch done(helpers);
+  for (int t = 0; t < helpers; ++t) pool.Schedule([&] { work(); done.count_down(); });
+  work();
+  done.wait();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpuF32, PagedAttentionF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

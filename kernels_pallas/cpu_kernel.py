@@ -1,0 +1,91 @@
+"""The CPU paged-attention kernel (cpu_attention.cc), built on first use and called through XLA's FFI.
+
+It is compiled with the machine's C++ compiler for this CPU (-march=native) into the cache directory,
+keyed by the source, the compiler flags and the CPU, so later runs load it at once. Where no compiler
+works, `available()` is False and the engine stays on the pure-XLA path (xla_cpu.py).
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cc")
+_TARGET = "paged_jax_paged_attention_cpu_f32"
+# -ffast-math lets the compiler vectorise the reductions and exp (glibc's libmvec); the kernel keeps
+# to finite numbers and never reads an unwritten slot, so its assumptions hold.
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC"]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PAGED_JAX_CACHE_DIR", Path.home() / ".cache" / "paged_jax")) / "kernels"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") or line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> Path:
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_name().encode()).hexdigest()[:16]
+    library = _cache_dir() / f"cpu_attention-{key}.so"
+    if not library.exists():
+        compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+        if compiler is None:
+            raise RuntimeError("no C++ compiler found (set CXX)")
+        library.parent.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([compiler, *_FLAGS, "-w", f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(partial)],
+                       check=True, capture_output=True, text=True)
+        partial.replace(library)  # atomic, so a concurrent process never loads half a file
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Build and register the kernel once; False (and the XLA path) if that fails."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+    except (OSError, RuntimeError, subprocess.CalledProcessError):
+        return False
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpuF32), platform="cpu")
+    return True
+
+
+def paged_attention_cpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    scale: float | None = None,
+) -> jax.Array:
+    """Same contract as paged_attention_reference, for float32 q and pages (max_query_len is not
+    needed: the kernel walks the ragged rows as they are).
+
+    q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 [num_blocks, block_size,
+    num_kv_heads, head_dim]; block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32
+    [num_seqs]; query_start_loc: int32 [num_seqs + 1]. Returns f32 [num_tokens, num_heads, head_dim].
+    """
+    if not available():
+        raise RuntimeError("the CPU attention kernel could not be built; use the 'xla' path")
+    if q.dtype != np.float32 or k_pages.dtype != np.float32 or v_pages.dtype != np.float32:
+        raise ValueError(f"the CPU kernel takes float32 q and pages, got {q.dtype}, {k_pages.dtype}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pages, v_pages, block_tables.astype(np.int32), seq_lens.astype(np.int32),
+                query_start_loc.astype(np.int32), scale=np.float32(scale))

@@ -1,0 +1,50 @@
+"""The C++ CPU kernel (kernels_pallas/cpu_attention.cc through cpu_kernel.py) against the jnp reference,
+on the same NaN-poisoned, permuted, ragged cases as the XLA path, and the seam's choice of it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_pallas
+from kernels_pallas import cpu_kernel
+from kernels_pallas.reference import paged_attention_reference
+from test_xla_cpu_attention import CASES, TOLERANCE, TRAILING_PAD_TOKENS, Case, case_id, make_inputs, rel_err
+
+FLOAT32_CASES = [c for c in CASES if c.dtype == jnp.float32]
+
+
+def test_builds_on_this_machine():
+    assert cpu_kernel.available()
+
+
+@pytest.mark.parametrize("case", FLOAT32_CASES, ids=case_id)
+def test_matches_reference(case):
+    inputs = make_inputs(case)
+    out = jax.jit(cpu_kernel.paged_attention_cpu)(*inputs)
+    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len)
+    assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
+    assert not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
+    assert rel_err(out, ref) < TOLERANCE[jnp.float32]
+    assert not np.asarray(out[-TRAILING_PAD_TOKENS:]).any(), "tokens of no sequence must be 0"
+
+
+def test_long_contexts_and_many_query_tiles():
+    rng = np.random.default_rng(7)
+    decodes = tuple(int(n) for n in rng.integers(1, 400, 19))
+    case = Case(q_lens=(1,) * 19 + (70, 130, 3), seq_lens=decodes + (70, 350, 203), block_size=8)
+    inputs = make_inputs(case, seed=7)
+    out = cpu_kernel.paged_attention_cpu(*inputs, scale=0.2)
+    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, scale=0.2)
+    assert rel_err(out, ref) < TOLERANCE[jnp.float32]
+
+
+def test_refuses_other_dtypes():
+    inputs = make_inputs(Case(q_lens=(1, 1), seq_lens=(5, 9), dtype=jnp.bfloat16))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernel.paged_attention_cpu(*inputs)
+
+
+def test_seam_picks_the_kernel_for_float32_on_the_cpu():
+    assert kernels_pallas.default_backend(jnp.float32) == "cpu"
+    assert kernels_pallas.default_backend(jnp.bfloat16) == "xla"
