@@ -55,7 +55,7 @@ def paged_attention(
             *args, max_query_len=metadata.max_query_len, scale=scale, interpret=interpret
         )
     if backend == "cpu":
-        return cpu_kernel.paged_attention_cpu(*args, scale=scale)
+        return cpu_kernel.paged_attention_cpu(*args, max_query_len=metadata.max_query_len, scale=scale)
     return paged_attention_xla(*args, max_query_len=metadata.max_query_len, scale=scale)
 
 

@@ -119,7 +119,7 @@ void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const fl
 ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                              ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
                              ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                             float scale, ffi::ResultBuffer<ffi::F32> out) {
+                             float scale, bool single_token_rows_only, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), pd = k_pages.dimensions(), bd = block_tables.dimensions();
   const Shapes sh{qd[0], qd[1], qd[2], pd[0], pd[1], pd[2], bd[0], bd[1]};
   std::memset(out->typed_data(), 0, sizeof(float) * sh.num_tokens * sh.num_heads * sh.head_dim);
@@ -127,9 +127,16 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
   const int32_t* starts = query_start_loc.typed_data();
 
   std::vector<WorkItem> items;
+  const int32_t* tables = block_tables.typed_data();
   for (int s = 0; s < sh.num_seqs; ++s) {
     const int q_len = starts[s + 1] - starts[s];
-    if (q_len <= 0 || lens[s] <= 0) continue;
+    if (q_len <= 0 || lens[s] <= 0 || (single_token_rows_only && q_len > 1)) continue;
+    // Bad metadata must fail loudly here rather than read outside the buffers.
+    if (starts[s] < 0 || starts[s + 1] > sh.num_tokens || q_len > lens[s] || lens[s] > sh.max_blocks * sh.block_size)
+      return ffi::Error::InvalidArgument("paged attention: inconsistent seq_lens / query_start_loc");
+    for (int64_t b = 0; b * sh.block_size < lens[s]; ++b)
+      if (tables[s * sh.max_blocks + b] < 0 || tables[s * sh.max_blocks + b] >= sh.num_blocks)
+        return ffi::Error::InvalidArgument("paged attention: block table entry outside the page pool");
     for (int h = 0; h < sh.num_kv_heads; ++h)
       for (int first = 0; first < q_len; first += kTileQ)
         items.push_back({s, h, first, std::min(first + kTileQ, q_len)});
@@ -167,4 +174,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpuF32, PagedAttentionF32,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
+                                  .Attr<bool>("single_token_rows_only")
                                   .Ret<ffi::Buffer<ffi::F32>>());

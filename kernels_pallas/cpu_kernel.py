@@ -17,6 +17,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from kernels_pallas import xla_cpu
+
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGET = "paged_jax_paged_attention_cpu_f32"
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's libmvec); the kernel keeps
@@ -72,10 +74,13 @@ def paged_attention_cpu(
     seq_lens: jax.Array,
     query_start_loc: jax.Array,
     *,
+    max_query_len: int,
     scale: float | None = None,
 ) -> jax.Array:
-    """Same contract as paged_attention_reference, for float32 q and pages (max_query_len is not
-    needed: the kernel walks the ragged rows as they are).
+    """Same contract as paged_attention_reference, for float32 q and pages.
+
+    Rows with one new token (decodes) go through the kernel, which streams their pages once; rows
+    with several go through XLA's query tiles (xla_cpu.py), whose dots run near matmul speed.
 
     q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32
@@ -86,6 +91,10 @@ def paged_attention_cpu(
     if q.dtype != np.float32 or k_pages.dtype != np.float32 or v_pages.dtype != np.float32:
         raise ValueError(f"the CPU kernel takes float32 q and pages, got {q.dtype}, {k_pages.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    args = (q, k_pages, v_pages, block_tables.astype(np.int32), seq_lens.astype(np.int32),
+            query_start_loc.astype(np.int32))
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pages, v_pages, block_tables.astype(np.int32), seq_lens.astype(np.int32),
-                query_start_loc.astype(np.int32), scale=np.float32(scale))
+    out = call(*args, scale=np.float32(scale), single_token_rows_only=max_query_len > 1)
+    if max_query_len > 1:
+        out = xla_cpu.attend_multi_token_rows(out, *args, scale=scale)
+    return out

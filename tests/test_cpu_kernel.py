@@ -21,7 +21,7 @@ def test_builds_on_this_machine():
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=case_id)
 def test_matches_reference(case):
     inputs = make_inputs(case)
-    out = jax.jit(cpu_kernel.paged_attention_cpu)(*inputs)
+    out = jax.jit(cpu_kernel.paged_attention_cpu, static_argnames="max_query_len")(*inputs, max_query_len=case.max_query_len)
     ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len)
     assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
     assert not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
@@ -34,7 +34,7 @@ def test_long_contexts_and_many_query_tiles():
     decodes = tuple(int(n) for n in rng.integers(1, 400, 19))
     case = Case(q_lens=(1,) * 19 + (70, 130, 3), seq_lens=decodes + (70, 350, 203), block_size=8)
     inputs = make_inputs(case, seed=7)
-    out = cpu_kernel.paged_attention_cpu(*inputs, scale=0.2)
+    out = cpu_kernel.paged_attention_cpu(*inputs, max_query_len=case.max_query_len, scale=0.2)
     ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, scale=0.2)
     assert rel_err(out, ref) < TOLERANCE[jnp.float32]
 
@@ -42,9 +42,28 @@ def test_long_contexts_and_many_query_tiles():
 def test_refuses_other_dtypes():
     inputs = make_inputs(Case(q_lens=(1, 1), seq_lens=(5, 9), dtype=jnp.bfloat16))
     with pytest.raises(ValueError, match="float32"):
-        cpu_kernel.paged_attention_cpu(*inputs)
+        cpu_kernel.paged_attention_cpu(*inputs, max_query_len=1)
 
 
 def test_seam_picks_the_kernel_for_float32_on_the_cpu():
     assert kernels_pallas.default_backend(jnp.float32) == "cpu"
     assert kernels_pallas.default_backend(jnp.bfloat16) == "xla"
+
+
+def test_bad_block_table_is_an_error_not_a_crash():
+    q, k_pages, v_pages, block_tables, seq_lens, query_start_loc = make_inputs(Case(q_lens=(1, 1), seq_lens=(5, 9)))
+    block_tables = block_tables.at[1, 0].set(k_pages.shape[0] + 5)
+    with pytest.raises(Exception, match="outside the page pool"):
+        jax.block_until_ready(cpu_kernel.paged_attention_cpu(
+            q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len=1))
+
+
+def test_kernel_alone_covers_multi_token_rows():
+    """With tiles left to XLA in the seam, the kernel's own prefill loop must still be right."""
+    case = Case(q_lens=(1, 37, 5, 0, 60), seq_lens=(50, 37, 20, 0, 130))
+    inputs = make_inputs(case, seed=3)
+    scale = inputs[0].shape[-1] ** -0.5
+    call = jax.ffi.ffi_call(cpu_kernel._TARGET, jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype))
+    out = call(*inputs, scale=np.float32(scale), single_token_rows_only=False)
+    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len)
+    assert rel_err(out, ref) < TOLERANCE[jnp.float32]
