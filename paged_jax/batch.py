@@ -5,12 +5,15 @@ set of shapes and nothing compiles after warm-up.
 """
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from kernels_pallas import AttentionMetadata
-from paged_jax.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:  # the scheduler's block manager pads with this module's helpers
+    from paged_jax.scheduler import ScheduledSeq
 
 MIN_TOKENS = 16
 MIN_SEQS = 8
@@ -23,6 +26,13 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
+def pad_to_bucket(ids, fill: int) -> np.ndarray:
+    """int32 ids padded with `fill` to a power-of-two length, so calls compile once per size class."""
+    out = np.full(bucket(len(ids)), fill, np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInput:
@@ -32,7 +42,7 @@ class StepInput:
     logits_indices: jax.Array  # int32 [num_seqs] row of each sequence's last new token
 
 
-def build_step_input(scheduled: list[ScheduledSeq], block_size: int) -> StepInput:
+def build_step_input(scheduled: list["ScheduledSeq"], block_size: int) -> StepInput:
     """Lay the scheduled sequences' new tokens end to end, in the given order (numpy arrays)."""
     num_tokens = sum(s.num_new_tokens for s in scheduled)
     T = bucket(num_tokens, MIN_TOKENS)

@@ -10,14 +10,8 @@ import jax
 import numpy as np
 
 from paged_jax import block_pool
+from paged_jax.batch import bucket, pad_to_bucket
 from paged_jax.prefix_cache import PrefixCache, block_hashes
-
-
-def _padded(ids: list[int]) -> np.ndarray:
-    size = 1 << max(len(ids) - 1, 0).bit_length()
-    out = np.full(size, -1, np.int32)
-    out[: len(ids)] = ids
-    return out
 
 
 class BlockManager:
@@ -36,7 +30,7 @@ class BlockManager:
         self.num_free = int(self.pool.num_free)
 
     def _ids_on_cpu(self, ids: list[int]) -> jax.Array:
-        return jax.device_put(_padded(ids), self._cpu)
+        return jax.device_put(pad_to_bucket(ids, -1), self._cpu)
 
     def can_allocate(self, n: int, keep: list[int] = ()) -> bool:
         """Whether n blocks can be had, evicting cached blocks (other than `keep`) if need be."""
@@ -51,8 +45,7 @@ class BlockManager:
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free and self.cache is not None:
             self.free(self.cache.evict(self.refcounts, n - self.num_free))
-        size = 1 << max(n - 1, 0).bit_length()
-        self.pool, ids, ok = block_pool.allocate(self.pool, n, max_n=size)
+        self.pool, ids, ok = block_pool.allocate(self.pool, n, max_n=bucket(n))
         self._check(ok, f"allocate {n} (of {self.num_free} free)", [])
         return [int(i) for i in np.asarray(ids)[:n]]
 

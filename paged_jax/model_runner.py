@@ -13,7 +13,7 @@ from flax import nnx
 
 from kernels_pallas import KVCache, init_kv_cache
 from paged_jax import sampling
-from paged_jax.batch import bucket, build_step_input
+from paged_jax.batch import bucket, build_step_input, pad_to_bucket
 from paged_jax.config import EngineConfig, ResolvedConfig
 from paged_jax.scheduler import ScheduledSeq
 
@@ -58,7 +58,7 @@ class ModelRunner:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
         if copies:
             src, dst = np.asarray(copies, np.int32).T
-            self.kv_cache = copy_blocks(self.kv_cache, self._pad(src, 0), self._pad(dst, self._num_blocks))
+            self.kv_cache = copy_blocks(self.kv_cache, pad_to_bucket(src, 0), pad_to_bucket(dst, self._num_blocks))
         step_input = build_step_input(scheduled, self.config.block_size)
         seqs = [s.seq for s in scheduled]
         tensors = sampling.make_sampling_tensors(
@@ -83,12 +83,5 @@ class ModelRunner:
         size = bucket(n)
         pad = lambda pages: np.concatenate([pages, np.zeros((size - n, *pages.shape[1:]), pages.dtype)])
         k, v = saved
-        ids = self._pad(np.asarray(block_ids, np.int32), self._num_blocks)
+        ids = pad_to_bucket(block_ids, self._num_blocks)
         self.kv_cache = _write_blocks(self.kv_cache, ids, tuple(map(pad, k)), tuple(map(pad, v)))
-
-    @staticmethod
-    def _pad(ids: np.ndarray, fill: int) -> np.ndarray:
-        """ids padded to a power-of-two length with `fill`, so block moves compile once per size class."""
-        out = np.full(bucket(len(ids)), fill, np.int32)
-        out[: len(ids)] = ids
-        return out
