@@ -33,8 +33,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens)
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens)
+    except ValueError as e:
+        sys.exit(f"generate.py: {e}")
     llm = LLM.from_engine(LLMEngine.from_pretrained(args.model))
     texts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
     prompts = texts if args.no_chat_template else [llm.chat_prompt([{"role": "user", "content": t}]) for t in texts]
