@@ -3,8 +3,6 @@
 import dataclasses
 import enum
 
-import numpy as np
-
 from paged_jax.sampling_params import SamplingParams
 
 
@@ -62,6 +60,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    def prompt_array(self) -> np.ndarray:
-        return np.asarray(self.token_ids[: self.num_prompt_tokens], np.int32)
