@@ -2,7 +2,7 @@
 
 from models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig
 from models.llama import TP_AXIS, LlamaForCausalLM, make_forward
-from models.loader import DEFAULT_MODEL, MODELS, LoadedModel, load_model
+from models.loader import DEFAULT_MODEL, MODELS, LoadedModel, load_model, load_tokenizer
 
 __all__ = [
     "ARCHITECTURES",
@@ -14,5 +14,6 @@ __all__ = [
     "ModelConfig",
     "TP_AXIS",
     "load_model",
+    "load_tokenizer",
     "make_forward",
 ]

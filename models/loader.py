@@ -222,6 +222,11 @@ def _tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     return tokenizer
 
 
+def load_tokenizer(name_or_path: str | Path = DEFAULT_MODEL) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a model, without its weights (None for a folder without tokenizer files)."""
+    return _tokenizer(resolve(name_or_path))
+
+
 def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32) -> LoadedModel:
     """Model, config and tokenizer from a short name (MODELS), a Hugging Face folder or a .gguf file.
 
