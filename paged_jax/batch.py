@@ -1,36 +1,15 @@
-"""The flat, ragged batch one engine step feeds the model, padded to bucket sizes on the host.
-
-Every array's length is rounded up to a power of two (with a floor), so a run meets a small, fixed
-set of shapes and nothing compiles after warm-up.
+"""The flat, ragged batch one engine step feeds the model, padded to its buckets on the host
+(buckets.py), so a run meets a small, fixed set of shapes and nothing compiles after warm-up.
 """
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from kernels_pallas import AttentionMetadata
-
-if TYPE_CHECKING:  # the scheduler's block manager pads with this module's helpers
-    from paged_jax.scheduler import ScheduledSeq
-
-MIN_TOKENS = 16
-MIN_SEQS = 8
-# Block-table width floor: narrower tables would only add compiled shapes.
-MIN_BLOCKS = 8
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    return 1 << (max(n, minimum) - 1).bit_length()
-
-
-def pad_to_bucket(ids, fill: int) -> np.ndarray:
-    """int32 ids padded with `fill` to a power-of-two length, so calls compile once per size class."""
-    out = np.full(bucket(len(ids)), fill, np.int32)
-    out[: len(ids)] = ids
-    return out
+from paged_jax.buckets import step_shape
+from paged_jax.scheduler import ScheduledSeq
 
 
 @jax.tree_util.register_dataclass
@@ -42,14 +21,11 @@ class StepInput:
     logits_indices: jax.Array  # int32 [num_seqs] row of each sequence's last new token
 
 
-def build_step_input(scheduled: list["ScheduledSeq"], block_size: int) -> StepInput:
+def build_step_input(scheduled: list[ScheduledSeq], block_size: int) -> StepInput:
     """Lay the scheduled sequences' new tokens end to end, in the given order (numpy arrays)."""
     num_tokens = sum(s.num_new_tokens for s in scheduled)
-    T = bucket(num_tokens, MIN_TOKENS)
-    S = bucket(len(scheduled), MIN_SEQS)
-    W = bucket(max(len(s.seq.block_ids) for s in scheduled), MIN_BLOCKS)
-    max_q = max(s.num_new_tokens for s in scheduled)
-    Q = 1 if max_q == 1 else min(T, bucket(max_q, MIN_TOKENS))
+    T, S, W, Q = step_shape(num_tokens, len(scheduled), max(len(s.seq.block_ids) for s in scheduled),
+                            max(s.num_new_tokens for s in scheduled))
 
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from paged_jax import block_pool
-from paged_jax.batch import bucket, pad_to_bucket
+from paged_jax.buckets import bucket, pad_to_bucket
 from paged_jax.prefix_cache import PrefixCache, block_hashes
 
 

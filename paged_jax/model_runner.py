@@ -13,7 +13,8 @@ from flax import nnx
 
 from kernels_pallas import KVCache, init_kv_cache
 from paged_jax import sampling
-from paged_jax.batch import bucket, build_step_input, pad_to_bucket
+from paged_jax.batch import build_step_input
+from paged_jax.buckets import bucket, pad_to_bucket
 from paged_jax.config import EngineConfig, ResolvedConfig
 from paged_jax.scheduler import ScheduledSeq
 

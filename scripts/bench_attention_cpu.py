@@ -4,7 +4,7 @@
     python scripts/bench_attention_cpu.py --dtype bfloat16 --rounds 2 --only decode
 
 Each scenario is a step shaped as the engine shapes one (token, sequence and block-table widths
-bucketed to powers of two as paged_jax/batch.py does, decode rows first, pages in random order), and
+bucketed to powers of two as the engine does (paged_jax/buckets.py), decode rows first, pages in random order), and
 every variant runs on the same inputs, interleaved, so a noisy machine slows them alike. Prints the median time of each,
 its error against the reference, and the time to read the step's live K/V once at 20 GB/s (the
 memory-bandwidth floor). For decode scenarios the 2-page chunked scan measured earlier is a third
@@ -22,7 +22,7 @@ import numpy as np
 from kernels_pallas import layout
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.xla_cpu import paged_attention_xla
-from paged_jax.batch import MIN_SEQS, MIN_TOKENS, bucket
+from paged_jax.buckets import step_shape
 
 BANDWIDTH = 20e9  # bytes/s, read + write, measured on this machine kind (see /work/shared/CPU.md)
 
@@ -78,9 +78,7 @@ def make_step(scenario: Scenario, args, rng):
     seq_lens = np.add(scenario.cached, scenario.new)
     blocks = -(-seq_lens // bs)
     num_tokens = int(sum(scenario.new))
-    T, S, W = bucket(num_tokens, MIN_TOKENS), bucket(len(seq_lens), MIN_SEQS), bucket(int(blocks.max()))
-    max_new = max(scenario.new)
-    Q = 1 if max_new == 1 else min(T, bucket(max_new, MIN_TOKENS))
+    T, S, W, Q = step_shape(num_tokens, len(seq_lens), int(blocks.max()), max(scenario.new))
     num_blocks = int(blocks.sum()) + 1
     shape = layout.page_shape(num_blocks, bs, kvh, dim)
     dtype = jnp.dtype(args.dtype)
