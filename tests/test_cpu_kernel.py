@@ -48,6 +48,23 @@ def test_refuses_other_dtypes():
 def test_seam_picks_the_kernel_for_float32_on_the_cpu():
     assert kernels_pallas.default_backend(jnp.float32) == "cpu"
     assert kernels_pallas.default_backend(jnp.bfloat16) == "xla"
+    assert kernels_pallas.choose_backend("auto", jnp.float32) == ("cpu", "the C++ kernel for float32 on the CPU", False)
+    assert kernels_pallas.choose_backend("auto", jnp.bfloat16) == (
+        "xla", "the CPU kernel takes float32, not bfloat16", False)
+    assert kernels_pallas.choose_backend("xla", jnp.float32) == ("xla", "asked for", False)
+
+
+def test_kernel_without_its_source_is_a_fallback_that_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernel, "_SOURCE", tmp_path / "cpu_attention.cc")
+    cpu_kernel.build_error.cache_clear()
+    try:
+        assert kernels_pallas.choose_backend("auto", jnp.float32) == (
+            "xla", "the CPU kernel is unavailable: its source cpu_attention.cc is not installed beside cpu_kernel.py",
+            True)
+    finally:
+        monkeypatch.undo()
+        cpu_kernel.build_error.cache_clear()
+        assert cpu_kernel.available()
 
 
 def test_bad_block_table_is_an_error_not_a_crash():
