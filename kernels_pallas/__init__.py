@@ -53,6 +53,16 @@ def default_backend(dtype=jnp.float32) -> str:
     return choose_backend("auto", dtype).backend
 
 
+def allocate_pages(shape: tuple[int, ...], dtype) -> jax.Array:
+    """KV pages for the engine. On the CPU, where the kernel library builds, the memory is allocated
+    and not written (cpu_kernel.unwritten): the OS maps it as blocks are first written, so a large KV
+    budget costs neither start-up time nor memory until used. Elsewhere zeros. Page contents are
+    never trusted: every path masks by length."""
+    if jax.default_backend() == "cpu" and cpu_kernel.available():
+        return cpu_kernel.unwritten(shape, dtype)
+    return jnp.zeros(shape, dtype)
+
+
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -87,6 +97,7 @@ __all__ = [
     "BACKENDS",
     "BackendChoice",
     "KVCache",
+    "allocate_pages",
     "bytes_per_block",
     "choose_backend",
     "init_kv_cache",

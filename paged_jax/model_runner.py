@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels_pallas import KVCache, init_kv_cache
+from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from paged_jax import sampling
 from paged_jax.batch import bucket, build_step_input, pad_to_bucket
 from paged_jax.config import EngineConfig, ResolvedConfig
@@ -48,7 +48,8 @@ class ModelRunner:
         self._num_blocks = resolved.num_blocks
         self._attn_backend = resolved.attention.backend
         self.kv_cache = init_kv_cache(model_config.num_layers, resolved.num_blocks, config.block_size,
-                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(config.dtype))
+                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(config.dtype),
+                                      allocate=allocate_pages)
 
     @property
     def num_compiles(self) -> int:

@@ -84,3 +84,18 @@ def test_kernel_alone_covers_multi_token_rows():
     out = call(*inputs, scale=np.float32(scale), single_token_rows_only=False)
     ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len)
     assert rel_err(out, ref) < TOLERANCE[jnp.float32]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_unwritten_pages_take_no_memory_until_written():
+    shape = (8192, 16, 8, 64)  # 256 MiB of float32
+    before = _resident_bytes()
+    pages = jax.block_until_ready(cpu_kernel.unwritten(shape, jnp.float32))
+    assert pages.shape == shape and pages.dtype == jnp.float32
+    assert _resident_bytes() - before < 64 << 20
+    pages = jax.jit(lambda p: p.at[3].set(1.0), donate_argnums=0)(pages)  # updated in place, like the KV cache
+    assert float(pages[3].sum()) == 16 * 8 * 64
