@@ -14,20 +14,53 @@ from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.xla_cpu import paged_attention_xla
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 BACKENDS = ("auto", "pallas", "cpu", "xla")
 
 
-def default_backend(dtype=jnp.float32) -> str:
-    """The Pallas kernel on a GPU; on the CPU the C++ kernel for float32 where it builds; else XLA."""
+class BackendChoice(NamedTuple):
+    backend: str  # one of BACKENDS other than "auto"
+    reason: str  # why, in words
+    fallback: bool  # the platform's kernel could not be used, and a slower path runs instead
+
+
+def choose_backend(requested: str = "auto", dtype=jnp.float32) -> BackendChoice:
+    """The backend that runs when `requested` is asked for with `dtype` pages, and why.
+
+    "auto" takes the Pallas kernel on a GPU; on the CPU the C++ kernel for float32 where it builds;
+    else XLA.
+    """
+    if requested != "auto":
+        return BackendChoice(requested, "asked for", False)
     platform = jax.default_backend()
     if platform == "gpu":
-        return "pallas"
-    if platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_kernel.available():
-        return "cpu"
-    return "xla"
+        return BackendChoice("pallas", "the Pallas kernel on a GPU", False)
+    if platform != "cpu":
+        return BackendChoice("xla", f"no kernel for the {platform} platform", False)
+    if jnp.dtype(dtype) != jnp.float32:
+        return BackendChoice("xla", f"the CPU kernel takes float32, not {jnp.dtype(dtype)}", False)
+    if (error := cpu_kernel.build_error()) is not None:
+        return BackendChoice("xla", f"the CPU kernel is unavailable: {error}", True)
+    return BackendChoice("cpu", "the C++ kernel for float32 on the CPU", False)
+
+
+def default_backend(dtype=jnp.float32) -> str:
+    """What "auto" runs for `dtype` pages (choose_backend says why)."""
+    return choose_backend("auto", dtype).backend
+
+
+def allocate_pages(shape: tuple[int, ...], dtype) -> jax.Array:
+    """KV pages for the engine. On the CPU, where the kernel library builds, the memory is allocated
+    and not written (cpu_kernel.unwritten): the OS maps it as blocks are first written, so a large KV
+    budget costs neither start-up time nor memory until used. Elsewhere zeros. Page contents are
+    never trusted: every path masks by length."""
+    if jax.default_backend() == "cpu" and cpu_kernel.available():
+        return cpu_kernel.unwritten(shape, dtype)
+    return jnp.zeros(shape, dtype)
 
 
 def paged_attention(
@@ -62,8 +95,11 @@ def paged_attention(
 __all__ = [
     "AttentionMetadata",
     "BACKENDS",
+    "BackendChoice",
     "KVCache",
+    "allocate_pages",
     "bytes_per_block",
+    "choose_backend",
     "init_kv_cache",
     "default_backend",
     "gather_kv",

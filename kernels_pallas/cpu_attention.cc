@@ -176,3 +176,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpuF32, PagedAttentionF32,
                                   .Attr<float>("scale")
                                   .Attr<bool>("single_token_rows_only")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// A buffer XLA allocates and nobody writes. The KV cache is made of these: a large allocation is
+// mapped by the OS page by page as blocks are first written, so a generous KV budget costs neither
+// time at start-up nor memory until it is used. Pages are never trusted (the kernels mask by length).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UnwrittenBuffer, [](ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); },
+                              ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());

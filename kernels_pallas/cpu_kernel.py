@@ -2,7 +2,8 @@
 
 It is compiled with the machine's C++ compiler for this CPU (-march=native) into the cache directory,
 keyed by the source, the compiler flags and the CPU, so later runs load it at once. Where no compiler
-works, `available()` is False and the engine stays on the pure-XLA path (xla_cpu.py).
+works, `available()` is False, `build_error()` says why, and the engine stays on the pure-XLA path
+(xla_cpu.py).
 """
 
 import ctypes
@@ -21,6 +22,7 @@ from kernels_pallas import xla_cpu
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGET = "paged_jax_paged_attention_cpu_f32"
+_UNWRITTEN = "paged_jax_unwritten_buffer"
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's libmvec); the kernel keeps
 # to finite numbers and never reads an unwritten slot, so its assumptions hold.
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC"]
@@ -56,14 +58,32 @@ def _build() -> Path:
 
 
 @functools.cache
-def available() -> bool:
-    """Build and register the kernel once; False (and the XLA path) if that fails."""
+def build_error() -> str | None:
+    """Build and register the kernel once: None if that worked, else why not (the XLA path runs instead)."""
+    if not _SOURCE.exists():
+        return f"its source {_SOURCE.name} is not installed beside {Path(__file__).name}"
     try:
         library = ctypes.cdll.LoadLibrary(str(_build()))
-    except (OSError, RuntimeError, subprocess.CalledProcessError):
-        return False
+    except subprocess.CalledProcessError as e:
+        return f"compiling {_SOURCE.name} failed: {(e.stderr or '').strip()[-500:]}"
+    except (OSError, RuntimeError) as e:
+        return str(e)
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpuF32), platform="cpu")
-    return True
+    jax.ffi.register_ffi_target(_UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (building it on the first call)."""
+    return build_error() is None
+
+
+def unwritten(shape: tuple[int, ...], dtype) -> jax.Array:
+    """An array on the CPU whose memory is allocated but never written: the OS maps its pages as
+    they are first written, so allocating costs nothing up front. Its contents are undefined."""
+    if not available():
+        raise RuntimeError("the CPU kernel library could not be built; allocate with jnp.zeros")
+    return jax.ffi.ffi_call(_UNWRITTEN, jax.ShapeDtypeStruct(shape, dtype))()
 
 
 def paged_attention_cpu(

@@ -47,12 +47,14 @@ class KVCache:
 
 
 def init_kv_cache(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32,
+    *, allocate=jnp.zeros,
 ) -> KVCache:
+    """Every layer's pages, each made by allocate(shape, dtype): zeros unless told otherwise."""
     shape = page_shape(num_blocks, block_size, num_kv_heads, head_dim)
     return KVCache(
-        k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        k=tuple(allocate(shape, dtype) for _ in range(num_layers)),
+        v=tuple(allocate(shape, dtype) for _ in range(num_layers)),
     )
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -17,9 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from models import gguf_reader
+from models import converted, gguf_reader, gguf_tokenizer
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 
@@ -33,7 +33,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class LoadedModel(NamedTuple):
     model: LlamaForCausalLM
     config: ModelConfig
-    tokenizer: PreTrainedTokenizerBase | None  # None for a folder without tokenizer files
+    tokenizer: Any  # a transformers tokenizer; None for a folder without tokenizer files
 
 
 Place = Callable[[np.ndarray, ModelConfig], tuple[Any, np.ndarray]]
@@ -130,17 +130,23 @@ def _ignored(name: str, config: ModelConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
-def build_model(
+def _abstract_state(config: ModelConfig, dtype):
+    """The model's graphdef and its flat state of shapes, without allocating a parameter."""
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    return graphdef, nnx.to_flat_state(state)
+
+
+def convert(
     config: ModelConfig, files: Iterable[tuple[Path, Iterator[tuple[str, np.ndarray]]]], *, dtype, source: Path
-) -> LlamaForCausalLM:
-    """A model whose every parameter comes from `files`: (file, its (HF name, array) stream) pairs.
+) -> converted.Params:
+    """Every parameter of the model (state path -> array in `dtype`) from `files`: (file, its
+    (HF name, array) stream) pairs.
 
     Raises ValueError naming the file on an unexpected tensor or a wrong shape, and naming `source`
     on a missing tensor.
     """
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
+    _, flat = _abstract_state(config, dtype)
     # Filled in the final dtype, so a bfloat16 model never holds a float32 copy of itself.
     buffers = {path: np.empty(var.shape, np.dtype(dtype)) for path, var in flat}
     expected = _expected(config)
@@ -160,8 +166,29 @@ def build_model(
     if missing := [name for name in expected if name not in seen]:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{source}: missing tensor {missing[0]}{more}")
-    state = nnx.from_flat_state([(path, var.replace(jnp.asarray(buffers.pop(path)))) for path, var in flat])
+    return buffers
+
+
+def assemble(config: ModelConfig, params: converted.Params, *, dtype) -> LlamaForCausalLM:
+    """The model holding `params` (state path -> array of the state's shape, in `dtype`).
+
+    Raises ValueError if a parameter is missing or has another shape or dtype.
+    """
+    graphdef, flat = _abstract_state(config, dtype)
+    for path, var in flat:
+        value = params.get(path)
+        if value is None or value.shape != var.shape or value.dtype != var.dtype:
+            got = "missing" if value is None else f"{value.dtype}{list(value.shape)}"
+            raise ValueError(f"parameter {'.'.join(map(str, path))}: {got}, expected {var.dtype}{list(var.shape)}")
+    state = nnx.from_flat_state([(path, var.replace(jnp.asarray(params[path]))) for path, var in flat])
     return nnx.merge(graphdef, state)
+
+
+def build_model(
+    config: ModelConfig, files: Iterable[tuple[Path, Iterator[tuple[str, np.ndarray]]]], *, dtype, source: Path
+) -> LlamaForCausalLM:
+    """A model whose every parameter comes from `files`, as `convert` reads them."""
+    return assemble(config, convert(config, files, dtype=dtype, source=source), dtype=dtype)
 
 
 def resolve(name_or_path: str | Path) -> Path:
@@ -205,21 +232,33 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGED_JAX_CACHE_DIR", Path.home() / ".cache" / "paged_jax"))
 
 
-def _tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
-    if path.is_dir():
-        has_tokenizer = any((path / name).exists() for name in _TOKENIZER_FILES)
-        return AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-    # Building a tokenizer from GGUF metadata takes seconds; its saved form loads in a fraction of one.
+def _folder_tokenizer(path: Path):
+    if not any((path / name).exists() for name in _TOKENIZER_FILES):
+        return None
+    # Imported here: transformers' auto classes import torch where it is installed, seconds that
+    # loading a GGUF does not need to pay.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _load_gguf(path: Path, dtype) -> LoadedModel:
+    # The conversion is kept by file (size and modification time), dtype and save format.
     stat = path.stat()
-    saved = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-    if (saved / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(saved)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    try:
-        tokenizer.save_pretrained(saved)
-    except OSError:
-        pass  # a read-only home only costs the next run the conversion again
-    return tokenizer
+    saved = cache_dir() / "models" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{dtype.name}-v{converted.FORMAT}"
+    if (hit := converted.load(saved, dtype)) is not None:
+        config, params, tokenizer = hit
+        try:
+            return LoadedModel(assemble(config, params, dtype=dtype), config, tokenizer)
+        except ValueError:
+            shutil.rmtree(saved, ignore_errors=True)  # saved by a version whose model was laid out otherwise
+    reader = gguf.GGUFReader(path)
+    metadata = gguf_reader.metadata(reader)
+    config = ModelConfig.from_gguf_metadata(metadata, [t.name for t in reader.tensors], source=str(path))
+    params = convert(config, [(path, gguf_reader.tensors(reader, config, path))], dtype=dtype, source=path)
+    tokenizer = gguf_tokenizer.from_metadata(metadata, source=str(path)) if "tokenizer.ggml.model" in metadata else None
+    converted.save(saved, config, params, tokenizer)
+    return LoadedModel(assemble(config, params, dtype=dtype), config, tokenizer)
 
 
 def load_tokenizer(name_or_path: str | Path = DEFAULT_MODEL) -> PreTrainedTokenizerBase | None:
@@ -231,25 +270,19 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32) -
     """Model, config and tokenizer from a short name (MODELS), a Hugging Face folder or a .gguf file.
 
     Parameters are stored in `dtype` (float32, the fast one on CPU, or bfloat16); GGUF tensors are
-    dequantized first.
+    dequantized first, once: the converted model is kept in the cache directory (converted.py).
     """
     dtype = jnp.dtype(dtype)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported parameter dtype {dtype}; expected float32 or bfloat16")
     path = resolve(name_or_path)
-    if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.exists():
-            raise FileNotFoundError(f"{config_file}: missing; a Hugging Face model folder needs one")
-        config = ModelConfig.from_hf_config(json.loads(config_file.read_text()), source=str(config_file))
-        files = [(file, _safetensors_tensors(file)) for file in _safetensors_files(path)]
-    elif path.suffix == ".gguf":
-        reader = gguf.GGUFReader(path)
-        config = ModelConfig.from_gguf_metadata(
-            gguf_reader.metadata(reader), [t.name for t in reader.tensors], source=str(path)
-        )
-        files = [(path, gguf_reader.tensors(reader, config, path))]
-    else:
+    if path.suffix == ".gguf" and not path.is_dir():
+        return _load_gguf(path, dtype)
+    if not path.is_dir():
         raise ValueError(f"{path}: neither a Hugging Face model folder nor a .gguf file")
-    model = build_model(config, files, dtype=dtype, source=path)
-    return LoadedModel(model, config, _tokenizer(path))
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{config_file}: missing; a Hugging Face model folder needs one")
+    config = ModelConfig.from_hf_config(json.loads(config_file.read_text()), source=str(config_file))
+    files = [(file, _safetensors_tensors(file)) for file in _safetensors_files(path)]
+    return LoadedModel(build_model(config, files, dtype=dtype, source=path), config, _folder_tokenizer(path))

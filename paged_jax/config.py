@@ -3,7 +3,7 @@
 import dataclasses
 from typing import Literal
 
-from kernels_pallas import BACKENDS
+from kernels_pallas import BACKENDS, BackendChoice
 
 DTYPES = ("float32", "bfloat16")
 
@@ -51,3 +51,4 @@ class ResolvedConfig:
     num_blocks: int
     max_model_len: int
     max_blocks_per_seq: int
+    attention: BackendChoice  # the attention backend that runs, and why

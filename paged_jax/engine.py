@@ -6,6 +6,7 @@ the loop); LLM (llm.py) drives it to completion for offline batches.
 
 import dataclasses
 import itertools
+import logging
 import time
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 
 import models
 from models.loader import cache_dir
-from kernels_pallas import bytes_per_block
+from kernels_pallas import bytes_per_block, choose_backend
 from paged_jax import beam_search
 from paged_jax.block_manager import BlockManager
 from paged_jax.config import EngineConfig, ResolvedConfig
@@ -24,6 +25,7 @@ from paged_jax.scheduler import ScheduledSeq, Scheduler
 from paged_jax.sequence import Sequence, Status
 
 _MAX_SEED = 2**31 - 1
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -44,10 +46,13 @@ class EngineStats:
     peak_blocks_in_use: int
     prefix_cache_hit_blocks: int
     prefix_cache_queried_blocks: int
+    attention_backend: str
+    attention_backend_reason: str
 
 
 def resolve(config: EngineConfig, model_config: "models.ModelConfig") -> ResolvedConfig:
-    """Settle the run-time sizes: context length from the model, block count from the budget."""
+    """Settle the run-time sizes (context length from the model, block count from the budget) and the
+    attention backend."""
     max_model_len = model_config.max_model_len
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
@@ -64,7 +69,8 @@ def resolve(config: EngineConfig, model_config: "models.ModelConfig") -> Resolve
         num_blocks = min(config.kv_cache_memory_bytes // per_block, 4 * max_blocks_per_seq * config.max_num_seqs) + 1
     if num_blocks - 1 < 1:
         raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
-    return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq)
+    return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
+                          attention=choose_backend(config.attention_backend, config.dtype))
 
 
 def _enable_compilation_cache() -> None:
@@ -82,6 +88,10 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.resolved = resolve(self.config, model_config)
+        attention = self.resolved.attention
+        # A fallback is slower by a wide margin: said where a user sees it, not only in the stats.
+        logger.log(logging.WARNING if attention.fallback else logging.INFO, "attention backend %s: %s",
+                   attention.backend, attention.reason)
         self.runner = ModelRunner(model, model_config, self.config, self.resolved)
         self.blocks = BlockManager(self.resolved.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
@@ -337,4 +347,6 @@ class LLMEngine:
             num_compiles=self.runner.num_compiles,
             peak_blocks_in_use=self.peak_blocks_in_use,
             prefix_cache_hit_blocks=cache.hit_blocks if cache else 0,
-            prefix_cache_queried_blocks=cache.queried_blocks if cache else 0)
+            prefix_cache_queried_blocks=cache.queried_blocks if cache else 0,
+            attention_backend=self.resolved.attention.backend,
+            attention_backend_reason=self.resolved.attention.reason)

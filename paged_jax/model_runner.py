@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels_pallas import KVCache, init_kv_cache
+from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from paged_jax import sampling
 from paged_jax.batch import build_step_input
 from paged_jax.buckets import bucket, pad_to_bucket
@@ -47,8 +47,10 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self._num_blocks = resolved.num_blocks
+        self._attn_backend = resolved.attention.backend
         self.kv_cache = init_kv_cache(model_config.num_layers, resolved.num_blocks, config.block_size,
-                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(config.dtype))
+                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(config.dtype),
+                                      allocate=allocate_pages)
 
     @property
     def num_compiles(self) -> int:
@@ -70,7 +72,7 @@ class ModelRunner:
             self.model_config.eos_token_ids,
             pad_rows_to=step_input.logits_indices.shape[0])
         sampled, self.kv_cache = _step(self.graphdef, self.state, self.kv_cache, step_input, tensors,
-                                       attn_backend=self.config.attention_backend)
+                                       attn_backend=self._attn_backend)
         return jax.device_get(sampled)
 
     # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks.

@@ -48,6 +48,23 @@ def test_refuses_other_dtypes():
 def test_seam_picks_the_kernel_for_float32_on_the_cpu():
     assert kernels_pallas.default_backend(jnp.float32) == "cpu"
     assert kernels_pallas.default_backend(jnp.bfloat16) == "xla"
+    assert kernels_pallas.choose_backend("auto", jnp.float32) == ("cpu", "the C++ kernel for float32 on the CPU", False)
+    assert kernels_pallas.choose_backend("auto", jnp.bfloat16) == (
+        "xla", "the CPU kernel takes float32, not bfloat16", False)
+    assert kernels_pallas.choose_backend("xla", jnp.float32) == ("xla", "asked for", False)
+
+
+def test_kernel_without_its_source_is_a_fallback_that_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernel, "_SOURCE", tmp_path / "cpu_attention.cc")
+    cpu_kernel.build_error.cache_clear()
+    try:
+        assert kernels_pallas.choose_backend("auto", jnp.float32) == (
+            "xla", "the CPU kernel is unavailable: its source cpu_attention.cc is not installed beside cpu_kernel.py",
+            True)
+    finally:
+        monkeypatch.undo()
+        cpu_kernel.build_error.cache_clear()
+        assert cpu_kernel.available()
 
 
 def test_bad_block_table_is_an_error_not_a_crash():
@@ -67,3 +84,18 @@ def test_kernel_alone_covers_multi_token_rows():
     out = call(*inputs, scale=np.float32(scale), single_token_rows_only=False)
     ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len)
     assert rel_err(out, ref) < TOLERANCE[jnp.float32]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_unwritten_pages_take_no_memory_until_written():
+    shape = (8192, 16, 8, 64)  # 256 MiB of float32
+    before = _resident_bytes()
+    pages = jax.block_until_ready(cpu_kernel.unwritten(shape, jnp.float32))
+    assert pages.shape == shape and pages.dtype == jnp.float32
+    assert _resident_bytes() - before < 64 << 20
+    pages = jax.jit(lambda p: p.at[3].set(1.0), donate_argnums=0)(pages)  # updated in place, like the KV cache
+    assert float(pages[3].sum()) == 16 * 8 * 64
