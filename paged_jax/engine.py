@@ -44,6 +44,7 @@ class EngineStats:
     peak_blocks_in_use: int
     prefix_cache_hit_blocks: int
     prefix_cache_queried_blocks: int
+    num_batched_tokens: int  # tokens run through the model so far (prompt chunks and decodes)
 
 
 def resolve(config: EngineConfig, model_config: "models.ModelConfig") -> ResolvedConfig:
@@ -92,6 +93,7 @@ class LLMEngine:
         self._seeds = itertools.count(self.config.seed * 1_000_003)
         self.peak_blocks_in_use = 0
         self.peak_slot_fill = 0.0
+        self.num_batched_tokens = 0
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m", **options) -> "LLMEngine":
@@ -170,6 +172,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs for the requests that advanced."""
         out = self.scheduler.schedule()
+        self.num_batched_tokens += out.num_tokens
         for child in out.forked:
             self._requests[child.request_id].seqs.append(child)
         if not out.scheduled:
@@ -337,4 +340,5 @@ class LLMEngine:
             num_compiles=self.runner.num_compiles,
             peak_blocks_in_use=self.peak_blocks_in_use,
             prefix_cache_hit_blocks=cache.hit_blocks if cache else 0,
-            prefix_cache_queried_blocks=cache.queried_blocks if cache else 0)
+            prefix_cache_queried_blocks=cache.queried_blocks if cache else 0,
+            num_batched_tokens=self.num_batched_tokens)
