@@ -293,6 +293,8 @@ class AsyncLLMEngine:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
+                # Show the new state before the step, which may take long (a compile, say).
+                self.scheduler_stats = self._scheduler_stats()
                 return True
         return False
 
