@@ -11,6 +11,8 @@ import importlib
 _EXPORTS = {
     "LLM": "paged_jax.llm",
     "LLMEngine": "paged_jax.engine",
+    "AsyncLLMEngine": "paged_jax.async_engine",
+    "AsyncLLM": "paged_jax.async_engine",
     "EngineConfig": "paged_jax.config",
     "SamplingParams": "paged_jax.sampling_params",
     "RequestOutput": "paged_jax.outputs",

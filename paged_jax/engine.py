@@ -48,6 +48,7 @@ class EngineStats:
     prefix_cache_queried_blocks: int
     attention_backend: str
     attention_backend_reason: str
+    num_batched_tokens: int  # tokens run through the model so far (prompt chunks and decodes)
 
 
 def resolve(config: EngineConfig, model_config: "models.ModelConfig") -> ResolvedConfig:
@@ -102,6 +103,7 @@ class LLMEngine:
         self._seeds = itertools.count(self.config.seed * 1_000_003)
         self.peak_blocks_in_use = 0
         self.peak_slot_fill = 0.0
+        self.num_batched_tokens = 0
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m", **options) -> "LLMEngine":
@@ -134,6 +136,10 @@ class LLMEngine:
             text, token_ids = None, [int(t) for t in prompt]
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if params.n > 1 and not params.use_beam_search and len(token_ids) < 2:
+            # The scheduler computes all but the last prompt token before forking the n samples, so a
+            # one-token prompt would never be scheduled: refuse it rather than wait for ever.
+            raise ValueError(f"n={params.n} samples need a prompt of at least 2 tokens")
         vocab = self.model_config.vocab_size
         if not all(0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -180,6 +186,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs for the requests that advanced."""
         out = self.scheduler.schedule()
+        self.num_batched_tokens += out.num_tokens
         for child in out.forked:
             self._requests[child.request_id].seqs.append(child)
         if not out.scheduled:
@@ -349,4 +356,5 @@ class LLMEngine:
             prefix_cache_hit_blocks=cache.hit_blocks if cache else 0,
             prefix_cache_queried_blocks=cache.queried_blocks if cache else 0,
             attention_backend=self.resolved.attention.backend,
-            attention_backend_reason=self.resolved.attention.reason)
+            attention_backend_reason=self.resolved.attention.reason,
+            num_batched_tokens=self.num_batched_tokens)

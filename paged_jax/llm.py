@@ -70,8 +70,7 @@ class LLM:
 
     def chat_prompt(self, conversation: list[dict]) -> list[int]:
         """The token ids of a conversation under the tokenizer's chat template, ready for a reply."""
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt(self.tokenizer, conversation)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
@@ -83,3 +82,11 @@ class LLM:
                         done[output.request_id] = output
                         bar.update(1)
         return [done[i] for i in request_ids]
+
+
+def chat_prompt(tokenizer, conversation: list[dict], *, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    """The token ids of a conversation under the tokenizer's chat template (the template writes the
+    special tokens, so none are added by default)."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -1,15 +1,21 @@
 """Shared fixtures: tiny random Hugging Face checkpoints of each supported architecture, the real
-SmolLM2 GGUF (ours and transformers'), and greedy decoding by transformers as the reference."""
+SmolLM2 GGUF (ours and transformers'), greedy decoding by transformers as the reference, and a server
+run in a thread on a free localhost port."""
 
+import contextlib
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import uvicorn
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
 from models import load_model
-from models.loader import resolve
+from models.loader import _tokenizer, resolve
 
 _TINY = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -32,14 +38,16 @@ TINY_ARCHS = {
 torch.set_num_threads(1)
 
 
-def make_tiny_model(arch: str) -> torch.nn.Module:
+def make_tiny_model(arch: str, **config_overrides) -> torch.nn.Module:
     """A float32 transformers model with every weight random.
 
     transformers initializes norms to 1 and biases to 0; a loader that dropped them would pass.
     """
     model_class, config = TINY_ARCHS[arch]
     torch.manual_seed(sorted(TINY_ARCHS).index(arch))
-    model = model_class(config()).eval()
+    config = config()
+    config.update(config_overrides)
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -93,3 +101,38 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
         if len(generated) == steps:
             return generated
         out = model(torch.tensor([generated[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random SmolLM2-shaped model that speaks SmolLM2's vocabulary, with its real tokenizer and
+    chat template: for server tests, where speed matters and sensible text does not. Its random
+    tokens decode to any bytes, split UTF-8 characters included."""
+    tokenizer = _tokenizer(resolve("smollm2-135m"))
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    make_tiny_model("smollm2", vocab_size=len(tokenizer), max_position_embeddings=512, bos_token_id=1,
+                    eos_token_id=tokenizer.eos_token_id).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return load_model(folder)
+
+
+@contextlib.contextmanager
+def running_server(app, *, graceful_shutdown_s: float = 5.0):
+    """Serve `app` with uvicorn in a thread on a free localhost port; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                          timeout_graceful_shutdown=graceful_shutdown_s))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible API's request and response bodies, as pydantic models (so /openapi.json is the
+API the server really speaks). Names and shapes are OpenAI's, with vLLM's extra sampling fields; ranges
+are checked once, by SamplingParams, not here.
+
+Requests refuse what they do not know: an OpenAI parameter the engine does not implement is a 400
+naming it (unless sent with its "off" value, as some clients do), any other unknown field too.
+"""
+
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIModel(BaseModel):
+    # NaN or infinite numbers are never meant: JSON has no such literals, Python's parser accepts them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# Parameters of OpenAI's API the engine does not implement, with the values that mean "not used".
+_OFF_VALUES = {
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
+    "modalities": (["text"],),
+    "service_tier": ("auto", "default"),
+}
+
+
+class _Request(OpenAIModel):
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name in cls.UNSUPPORTED:
+            value = data.get(name)
+            if value is None or value is False or value in ([], {}) or value in _OFF_VALUES.get(name, ()):
+                data = {k: v for k, v in data.items() if k != name}
+            else:
+                raise PydanticCustomError("unsupported_parameter", "{param} is not supported by this server",
+                                          {"param": name})
+        return data
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Request):
+    """What completions and chat completions share: OpenAI's sampling fields and vLLM's extras."""
+
+    model: str | None = Field(None, description="The served model's name; omitted means that model.")
+    n: int = 1
+    temperature: float | None = Field(None, description="Default 1.0; 0 is greedy.")
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    # paged-jax's own.
+    request_timeout: float | None = Field(
+        None, gt=0, description="Seconds this request may take, within the server's --request-timeout.")
+
+
+class CompletionRequest(SamplingRequest):
+    UNSUPPORTED: ClassVar = ("logit_bias", "suffix", "prompt_logprobs")
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A text, a list of token ids, or a list of either (one choice set per prompt).")
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = Field(None, description="Top logprobs per generated token (and the chosen one's).")
+    best_of: int | None = Field(None, description="Only best_of equal to n (no re-ranking) is supported.")
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    UNSUPPORTED: ClassVar = ("logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call",
+                             "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort",
+                             "web_search_options", "service_tier", "store", "metadata", "verbosity")
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, description="Deprecated by OpenAI for max_completion_tokens.")
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+# Responses.
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+FinishReason = Literal["stop", "length", "abort", "timeout", "error"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = Field(None, description="The stop token id or stop string that ended it.")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "paged-jax"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# vLLM's tokenizer endpoints.
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIModel):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+TokenizeRequest = Annotated[TokenizeCompletionRequest | TokenizeChatRequest, Field(union_mode="left_to_right")]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
