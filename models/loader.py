@@ -261,9 +261,12 @@ def _load_gguf(path: Path, dtype) -> LoadedModel:
     return LoadedModel(assemble(config, params, dtype=dtype), config, tokenizer)
 
 
-def load_tokenizer(name_or_path: str | Path = DEFAULT_MODEL) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(name_or_path: str | Path = DEFAULT_MODEL):
     """The tokenizer of a model, without its weights (None for a folder without tokenizer files)."""
-    return _tokenizer(resolve(name_or_path))
+    path = resolve(name_or_path)
+    if path.suffix == ".gguf" and not path.is_dir():
+        return gguf_tokenizer.from_metadata(gguf_reader.metadata(gguf.GGUFReader(path)), source=str(path))
+    return _folder_tokenizer(path)
 
 
 def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32) -> LoadedModel:
