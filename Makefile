@@ -1,6 +1,7 @@
 # Two entry points, both safe to run on a fresh machine: they install what they need first.
 PYTHON ?= python
 PROMPT ?= Explain PagedAttention in one paragraph
+ARGS ?=
 
 .PHONY: setup setup-dev run test
 
@@ -13,7 +14,7 @@ setup-dev: setup
 	$(PYTHON) -m pip install -q -e '.[dev]'
 
 run: setup
-	$(PYTHON) scripts/generate.py "$(PROMPT)"
+	$(PYTHON) scripts/generate.py "$(PROMPT)" $(ARGS)
 
 test: setup-dev
 	$(PYTHON) -m pytest -q

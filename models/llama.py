@@ -106,6 +106,15 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_norm(x)), k_pages, v_pages
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend"))
+def _decoder_layer(graphdef, state, x, cos, sin, k_pages, v_pages, metadata, *, attn_backend: str):
+    """DecoderLayer.__call__ as a function of its state, jitted on its own: every layer has the same
+    structure and shapes, so inside the step all share one trace and one lowering, and tracing the
+    step costs one layer, not num_layers (seconds at each start-up). XLA inlines the calls again when
+    it compiles, so the compiled step is the same."""
+    return nnx.merge(graphdef, state)(x, cos, sin, k_pages, v_pages, metadata, attn_backend)
+
+
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         c = config
@@ -138,7 +147,8 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed[...][input_ids]
         ks, vs = [], []
         for layer, k_pages, v_pages in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
-            x, k_pages, v_pages = layer(x, cos, sin, k_pages, v_pages, metadata, attn_backend)
+            x, k_pages, v_pages = _decoder_layer(*nnx.split(layer), x, cos, sin, k_pages, v_pages, metadata,
+                                                 attn_backend=attn_backend)
             ks.append(k_pages)
             vs.append(v_pages)
         # Only the sampled rows go through the final norm and the lm_head, the largest matmul.

@@ -75,10 +75,13 @@ def resolve(config: EngineConfig, model_config: "models.ModelConfig") -> Resolve
 
 
 def _enable_compilation_cache() -> None:
-    """Keep compiled steps on disk, so a second run starts without compiling (unless the user chose
-    a cache of their own)."""
+    """Keep compiled programs on disk, so a second run starts without compiling (unless the user
+    chose a cache of their own). Every program: JAX keeps only those that took a second or more to
+    compile by default, but the block pool's small ones add up to about half a second a start, and
+    loading one takes milliseconds."""
     if jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 class LLMEngine:
