@@ -1,6 +1,7 @@
 """The OpenAI-compatible API's request and response bodies, as pydantic models (so /openapi.json is the
-API the server really speaks). Names and shapes are OpenAI's, with vLLM's extra sampling fields; ranges
-are checked once, by SamplingParams, not here.
+API the server really speaks). Names and shapes are OpenAI's, with vLLM's extra sampling fields. The
+ranges written here are the API's documented ones (a client reads them from /openapi.json); SamplingParams
+checks them again, with what no schema says (min_tokens at most max_tokens, n > 1 needs sampling).
 
 Requests refuse what they do not know: an OpenAI parameter the engine does not implement is a 400
 naming it (unless sent with its "off" value, as some clients do), any other unknown field too.
@@ -12,6 +13,12 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+
+from paged_jax.sampling_params import MAX_LOGPROBS
+
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
 
 
 def random_id(prefix: str) -> str:
@@ -58,23 +65,23 @@ class SamplingRequest(_Request):
     """What completions and chat completions share: OpenAI's sampling fields and vLLM's extras."""
 
     model: str | None = Field(None, description="The served model's name; omitted means that model.")
-    n: int = 1
-    temperature: float | None = Field(None, description="Default 1.0; 0 is greedy.")
-    top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0, description="Default 1.0; 0 is greedy.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling parameters.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     # paged-jax's own.
     request_timeout: float | None = Field(
         None, gt=0, description="Seconds this request may take, within the server's --request-timeout.")
@@ -83,11 +90,12 @@ class SamplingRequest(_Request):
 class CompletionRequest(SamplingRequest):
     UNSUPPORTED: ClassVar = ("logit_bias", "suffix", "prompt_logprobs")
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)] = Field(
         description="A text, a list of token ids, or a list of either (one choice set per prompt).")
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(None, ge=1, description="Default 16 (OpenAI's), within the server's cap.")
     echo: bool = False
-    logprobs: int | None = Field(None, description="Top logprobs per generated token (and the chosen one's).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="Top logprobs per generated token (and the chosen one's).")
     best_of: int | None = Field(None, description="Only best_of equal to n (no re-ranking) is supported.")
 
 
@@ -107,11 +115,11 @@ class ChatCompletionRequest(SamplingRequest):
                              "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort",
                              "web_search_options", "service_tier", "store", "metadata", "verbosity")
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, description="Deprecated by OpenAI for max_completion_tokens.")
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
 
@@ -246,7 +254,7 @@ class TokenizeCompletionRequest(OpenAIModel):
 
 class TokenizeChatRequest(OpenAIModel):
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
@@ -264,7 +272,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

@@ -24,7 +24,7 @@ from paged_jax.openai_protocol import (AssistantMessage, ChatCompletionChoice, C
                                        TokenizeChatRequest, TokenizeResponse, TokenLogprob, TopLogprob, UsageInfo,
                                        random_id)
 from paged_jax.outputs import CompletionOutput, RequestOutput
-from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from paged_jax.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +137,8 @@ class OpenAIServing:
             raise bad_request("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                               "echo", code="unsupported_parameter")
         prompts = self._completion_prompts(request.prompt)
-        params = [self._sampling_params(request, len(p.token_ids), request.max_tokens, "max_tokens", request.logprobs)
-                  for p in prompts]
+        params = [self._sampling_params(request, len(p.token_ids), request.max_tokens, "max_tokens", request.logprobs,
+                                        default_max_tokens=16) for p in prompts]
         response_id = random_id("cmpl")
         streams = await self._submit(response_id, prompts, params, request)
         if request.stream:
@@ -198,9 +198,6 @@ class OpenAIServing:
         self._check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}",
-                              "top_logprobs")
         prompt = _Prompt(None, self._chat_ids(request.messages, request.add_generation_prompt))
         if request.max_completion_tokens is not None:
             max_tokens, name = request.max_completion_tokens, "max_completion_tokens"
@@ -303,8 +300,10 @@ class OpenAIServing:
         return prompt.text if prompt.text is not None else self._decode(prompt.token_ids)
 
     def _sampling_params(self, request: SamplingRequest, prompt_len: int, max_tokens: int | None, name: str,
-                         logprobs: int | None) -> SamplingParams:
-        """The request's SamplingParams for a prompt of prompt_len tokens; refuses what cannot fit."""
+                         logprobs: int | None, *, default_max_tokens: int | None = None) -> SamplingParams:
+        """The request's SamplingParams for a prompt of prompt_len tokens; refuses what cannot fit.
+        Without max_tokens, a request gets default_max_tokens (None: all the room the context leaves),
+        within the server's cap and the context."""
         if request.n > self._max_num_seqs:
             raise bad_request(f"n={request.n} is above this server's max_num_seqs={self._max_num_seqs}", "n")
         if request.stop_token_ids:
@@ -315,7 +314,7 @@ class OpenAIServing:
                               f"prompt has {prompt_len}: no room for a completion", "prompt", cause="too_long",
                               code="context_length_exceeded")
         if max_tokens is None:
-            max_tokens = min(room, self.max_tokens_cap or room)
+            max_tokens = min(default_max_tokens or room, room, self.max_tokens_cap or room)
         if self.max_tokens_cap is not None and max_tokens > self.max_tokens_cap:
             raise bad_request(f"{name}={max_tokens} is above this server's cap of {self.max_tokens_cap}", name,
                               cause="too_long")

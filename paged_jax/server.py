@@ -90,8 +90,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     _add_error_handlers(app, metrics)
     protected = [Depends(_check_api_key)] if config.api_key else []
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429, 500, 503)}
-    streamed = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events, "
-                                                  "each `data: <chunk JSON>`, the last `data: [DONE]`"}}}
+    # OpenAPI 3.1 has a text/event-stream schema describe one event.
+    streamed = {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"], "description": "one server-sent event (with stream: true)",
+        "properties": {"data": {"type": "string", "description": "a chunk as JSON (the endpoint's response "
+                                                                 "object, or an error); the last event is [DONE]"}}}}}
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=protected,
               responses=errors | {200: {"content": streamed}})
@@ -116,7 +119,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=config.served_model_name, root=config.model or config.served_model_name,
                                          max_model_len=engine.resolved.max_model_len)])
 
-    @app.get("/health", responses={200: {"description": "the engine loop runs"}, 503: {"model": ErrorResponse}})
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "the engine loop runs (an empty body)"}, 503: {"model": ErrorResponse}})
     async def health(request: Request):
         if not request.app.state.engine.is_running:
             raise APIError(503, "the engine loop is not running", type="server_error", code="engine_dead")

@@ -104,7 +104,7 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory):
+def tiny_chat_folder(tmp_path_factory) -> Path:
     """A tiny random SmolLM2-shaped model that speaks SmolLM2's vocabulary, with its real tokenizer and
     chat template: for server tests, where speed matters and sensible text does not. Its random
     tokens decode to any bytes, split UTF-8 characters included."""
@@ -113,7 +113,12 @@ def tiny_chat_model(tmp_path_factory):
     make_tiny_model("smollm2", vocab_size=len(tokenizer), max_position_embeddings=512, bos_token_id=1,
                     eos_token_id=tokenizer.eos_token_id).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return load_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_chat_folder):
+    return load_model(tiny_chat_folder)
 
 
 @contextlib.contextmanager
