@@ -271,6 +271,10 @@ def _load_gguf(path: Path, dtype) -> LoadedModel:
     params = convert(config, [(path, gguf_reader.tensors(reader, config, path))], dtype=dtype, source=path)
     tokenizer = gguf_tokenizer.from_metadata(metadata, source=str(path)) if "tokenizer.ggml.model" in metadata else None
     converted.save(saved, config, params, tokenizer)
+    # Run on what a later run will load, where saving worked: memory-mapped parameters are committed
+    # to the CPU device, and that is part of the compiled step's key, so only then does this run's
+    # compile serve the next runs.
+    config, params, tokenizer = converted.load(saved, dtype) or (config, params, tokenizer)
     return LoadedModel(assemble(config, params, dtype=dtype), config, tokenizer)
 
 
