@@ -1,9 +1,11 @@
-# Two entry points, both safe to run on a fresh machine: they install what they need first.
+# Entry points, each safe to run on a fresh machine: they install what they need first.
 PYTHON ?= python
 PROMPT ?= Explain PagedAttention in one paragraph
 ARGS ?=
+MODEL ?= smollm2-135m
+SERVE_ARGS ?=
 
-.PHONY: setup setup-dev run test
+.PHONY: setup setup-dev run serve test
 
 setup:
 	$(PYTHON) -m pip install -q -e .
@@ -15,6 +17,9 @@ setup-dev: setup
 
 run: setup
 	$(PYTHON) scripts/generate.py "$(PROMPT)" $(ARGS)
+
+serve: setup
+	$(PYTHON) -m paged_jax.serve --model $(MODEL) $(SERVE_ARGS)
 
 test: setup-dev
 	$(PYTHON) -m pytest -q
