@@ -191,7 +191,7 @@ def test_dispatch_seam_runs_the_kernel():
         max_query_len=case.max_query_len,
     )
     inputs = (batch.q, batch.k_pages, batch.v_pages, metadata)
-    out = kernels_pallas.paged_attention(*inputs, backend="pallas", interpret=True)
+    out = kernels_pallas.paged_attention(*inputs, backend="pallas_interpret")
     ref = kernels_pallas.paged_attention(*inputs, backend="xla")
     assert rel_err(out, np.asarray(ref, np.float64)) < TOLERANCE[jnp.float32]
 
