@@ -47,8 +47,9 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self._num_blocks = resolved.num_blocks
+        self.attention_backend = resolved.attention_backend
         self.kv_cache = init_kv_cache(model_config.num_layers, resolved.num_blocks, config.block_size,
-                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(config.dtype))
+                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(resolved.dtype))
 
     @property
     def num_compiles(self) -> int:
@@ -70,7 +71,7 @@ class ModelRunner:
             self.model_config.eos_token_ids,
             pad_rows_to=step_input.logits_indices.shape[0])
         sampled, self.kv_cache = _step(self.graphdef, self.state, self.kv_cache, step_input, tensors,
-                                       attn_backend=self.config.attention_backend)
+                                       attn_backend=self.attention_backend)
         return jax.device_get(sampled)
 
     # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks.
