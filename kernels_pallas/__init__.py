@@ -1,7 +1,9 @@
 """Paged attention: a Pallas kernel for CUDA GPUs, a C++ kernel for the CPU called through XLA's FFI
 (cpu_kernel.py), and a pure-XLA path (xla_cpu.py) for everything else.
 
-`paged_attention` is the one seam the model calls; "auto" chooses by platform and dtype.
+`paged_attention` is the one seam the model calls; "auto" chooses by platform and dtype, and
+"pallas_interpret" runs the Pallas kernel's body in the Pallas interpreter on any platform (slow: for
+checking the kernel, alone or inside the engine, on a machine without a GPU).
 """
 
 # Imported before `paged_attention` below is defined: importing a submodule binds its name on the
@@ -19,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "pallas", "cpu", "xla")
+BACKENDS = ("auto", "pallas", "pallas_interpret", "cpu", "xla")
 
 
 class BackendChoice(NamedTuple):
@@ -28,15 +30,15 @@ class BackendChoice(NamedTuple):
     fallback: bool  # the platform's kernel could not be used, and a slower path runs instead
 
 
-def choose_backend(requested: str = "auto", dtype=jnp.float32) -> BackendChoice:
+def choose_backend(requested: str = "auto", dtype=jnp.float32, platform: str | None = None) -> BackendChoice:
     """The backend that runs when `requested` is asked for with `dtype` pages, and why.
 
     "auto" takes the Pallas kernel on a GPU; on the CPU the C++ kernel for float32 where it builds;
-    else XLA.
+    else XLA. platform: a JAX platform name ("gpu", "cpu", ...); by default the default backend's.
     """
     if requested != "auto":
         return BackendChoice(requested, "asked for", False)
-    platform = jax.default_backend()
+    platform = jax.default_backend() if platform is None else platform
     if platform == "gpu":
         return BackendChoice("pallas", "the Pallas kernel on a GPU", False)
     if platform != "cpu":
@@ -48,9 +50,9 @@ def choose_backend(requested: str = "auto", dtype=jnp.float32) -> BackendChoice:
     return BackendChoice("cpu", "the C++ kernel for float32 on the CPU", False)
 
 
-def default_backend(dtype=jnp.float32) -> str:
+def default_backend(dtype=jnp.float32, platform: str | None = None) -> str:
     """What "auto" runs for `dtype` pages (choose_backend says why)."""
-    return choose_backend("auto", dtype).backend
+    return choose_backend("auto", dtype, platform).backend
 
 
 def allocate_pages(shape: tuple[int, ...], dtype) -> jax.Array:
@@ -71,25 +73,28 @@ def paged_attention(
     *,
     scale: float | None = None,
     backend: str = "auto",
-    interpret: bool = False,
 ) -> jax.Array:
     """q: [num_tokens, num_heads, head_dim]; pages: [num_blocks, block_size, num_kv_heads, head_dim].
 
-    interpret: run the Pallas kernel in the Pallas interpreter (backend "pallas" off a GPU, for tests).
+    Attention runs in the pages' dtype: every backend takes q in it, so q is cast (a model whose
+    weights are float32 may keep a bfloat16 cache).
     returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        backend = default_backend(jnp.promote_types(q.dtype, k_pages.dtype))
-    args = (q, k_pages, v_pages, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
-    if backend == "pallas":
-        return _pallas_kernel.paged_attention(
-            *args, max_query_len=metadata.max_query_len, scale=scale, interpret=interpret
+        backend = default_backend(k_pages.dtype)
+    args = (q.astype(k_pages.dtype), k_pages, v_pages, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc)
+    if backend in ("pallas", "pallas_interpret"):
+        out = _pallas_kernel.paged_attention(
+            *args, max_query_len=metadata.max_query_len, scale=scale, interpret=backend == "pallas_interpret"
         )
-    if backend == "cpu":
-        return cpu_kernel.paged_attention_cpu(*args, max_query_len=metadata.max_query_len, scale=scale)
-    return paged_attention_xla(*args, max_query_len=metadata.max_query_len, scale=scale)
+    elif backend == "cpu":
+        out = cpu_kernel.paged_attention_cpu(*args, max_query_len=metadata.max_query_len, scale=scale)
+    else:
+        out = paged_attention_xla(*args, max_query_len=metadata.max_query_len, scale=scale)
+    return out.astype(q.dtype)
 
 
 __all__ = [

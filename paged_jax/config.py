@@ -1,29 +1,43 @@
-"""Engine configuration: vLLM's option names where one exists."""
+"""Engine configuration: vLLM's option names where one exists, and what they resolve to at run time."""
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Protocol
 
-from kernels_pallas import BACKENDS, BackendChoice
+import jax
+import jax.numpy as jnp
 
-DTYPES = ("float32", "bfloat16")
+from kernels_pallas import BACKENDS, BackendChoice, bytes_per_block, choose_backend
+
+DTYPES = ("auto", "float32", "bfloat16")
+# The KV budget where no device reports its memory (the CPU): what a laptop can spare.
+HOST_KV_CACHE_MEMORY_BYTES = 2 << 30
+# Backends that run on one platform only; the others run anywhere.
+_BACKEND_PLATFORM = {"pallas": "gpu", "cpu": "cpu"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What the user asks of the engine. Values found at run time (how many blocks fit, the model's
-    context length) live in `ResolvedConfig`, never written back here."""
+    context length, what "auto" means on this device) live in `ResolvedConfig`, never written back here."""
 
     block_size: int = 16
-    # KV capacity: an explicit block count wins over a memory budget.
+    # KV capacity: an explicit block count wins over an explicit memory budget, which wins over
+    # gpu_memory_utilization (a GPU) or HOST_KV_CACHE_MEMORY_BYTES (elsewhere).
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 2 << 30
+    kv_cache_memory_bytes: int | None = None
+    # Share of the memory JAX's GPU allocator may use (its bytes_limit: 75% of the GPU unless
+    # XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise) that weights and KV cache may fill together; the
+    # rest is left to the step's activations.
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
-    dtype: str = "float32"
+    # Of the KV cache, and of the weights `LLMEngine.from_pretrained` loads. "auto": bfloat16 on a GPU,
+    # float32 (the fast dtype there) on the CPU; for a model handed to the engine, its weights' dtype.
+    dtype: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
 
@@ -36,6 +50,8 @@ class EngineConfig:
         for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len"):
             positive(name)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.dtype not in DTYPES:
@@ -46,9 +62,89 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResolvedConfig:
-    """The sizes the engine settled on once it knew the model and the memory budget."""
+    """What the engine settled on once it knew the model, the device and its memory."""
 
     num_blocks: int
     max_model_len: int
     max_blocks_per_seq: int
-    attention: BackendChoice  # the attention backend that runs, and why
+    dtype: str  # of the KV cache: "float32" or "bfloat16"
+    platform: str  # the JAX platform the engine runs on: "gpu", "cpu", ...
+    attention: BackendChoice  # the attention backend that runs (never "auto"), and why
+
+    @property
+    def attention_backend(self) -> str:
+        return self.attention.backend
+
+
+class Device(Protocol):
+    """The part of a jax.Device that resolution reads (tests pass a fake)."""
+
+    platform: str
+
+    def memory_stats(self) -> dict[str, int] | None: ...
+
+
+def default_device() -> jax.Device:
+    """The device new arrays and jitted calls go to: `jax.default_device`'s if set, else the first."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):
+        return jax.devices(device)[0]
+    return device or jax.devices()[0]
+
+
+def default_dtype(platform: str) -> str:
+    """What dtype="auto" loads weights in: bfloat16 on a GPU, float32 elsewhere."""
+    return "bfloat16" if platform == "gpu" else "float32"
+
+
+def kv_cache_budget(config: EngineConfig, device: Device) -> int:
+    """Bytes the KV cache may take. On a GPU, read once the weights are on it: the allocator's limit
+    times gpu_memory_utilization, less what is in use (as vLLM sizes its cache after loading)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    stats = device.memory_stats() if device.platform == "gpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return HOST_KV_CACHE_MEMORY_BYTES
+    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+    budget = int(config.gpu_memory_utilization * limit) - in_use
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {in_use / 2**30:.2f} GiB in use of "
+            f"{config.gpu_memory_utilization} x {limit / 2**30:.2f} GiB; raise gpu_memory_utilization "
+            f"or set kv_cache_memory_bytes")
+    return budget
+
+
+def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -> ResolvedConfig:
+    """Settle the run-time values: context length from the model, dtype from the weights, attention
+    backend from the platform, block count from the memory budget.
+
+    model_config: a models.ModelConfig; device: where the engine runs (`default_device()`);
+    weights_dtype: the model's parameter dtype.
+    """
+    max_model_len = model_config.max_model_len
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context length {max_model_len}"
+            )
+        max_model_len = config.max_model_len
+    max_blocks_per_seq = -(-max_model_len // config.block_size)
+    dtype = jnp.dtype(weights_dtype).name if config.dtype == "auto" else config.dtype
+    platform = device.platform
+    attention = choose_backend(config.attention_backend, dtype, platform)
+    backend = attention.backend
+    if _BACKEND_PLATFORM.get(backend, platform) != platform:
+        raise ValueError(f"attention_backend {backend!r} runs on {_BACKEND_PLATFORM[backend]} only, and this "
+                         f"engine runs on {platform}; use 'auto' (or 'pallas_interpret' to run the Pallas "
+                         "kernel's body off a GPU, slowly)")
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
+                                    model_config.head_dim, dtype)
+        # One more than the budget buys: block 0 is the pool's null block, never handed out.
+        num_blocks = min(kv_cache_budget(config, device) // per_block, 4 * max_blocks_per_seq * config.max_num_seqs) + 1
+    if num_blocks - 1 < 1:
+        raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
+    return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
+                          dtype=dtype, platform=platform, attention=attention)

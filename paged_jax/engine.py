@@ -11,13 +11,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import models
 from models.loader import cache_dir
-from kernels_pallas import bytes_per_block, choose_backend
 from paged_jax import beam_search
 from paged_jax.block_manager import BlockManager
-from paged_jax.config import EngineConfig, ResolvedConfig
+from paged_jax.config import EngineConfig, default_device, default_dtype, resolve
 from paged_jax.model_runner import ModelRunner
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -51,29 +51,6 @@ class EngineStats:
     num_batched_tokens: int  # tokens run through the model so far (prompt chunks and decodes)
 
 
-def resolve(config: EngineConfig, model_config: "models.ModelConfig") -> ResolvedConfig:
-    """Settle the run-time sizes (context length from the model, block count from the budget) and the
-    attention backend."""
-    max_model_len = model_config.max_model_len
-    if config.max_model_len is not None:
-        if config.max_model_len > max_model_len:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's context length {max_model_len}"
-            )
-        max_model_len = config.max_model_len
-    max_blocks_per_seq = -(-max_model_len // config.block_size)
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
-                                    model_config.head_dim, jnp.dtype(config.dtype))
-        # One more than the budget buys: block 0 is the pool's null block, never handed out.
-        num_blocks = min(config.kv_cache_memory_bytes // per_block, 4 * max_blocks_per_seq * config.max_num_seqs) + 1
-    if num_blocks - 1 < 1:
-        raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
-    return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
-                          attention=choose_backend(config.attention_backend, config.dtype))
-
-
 def _enable_compilation_cache() -> None:
     """Keep compiled programs on disk, so a second run starts without compiling (unless the user
     chose a cache of their own). Every program: JAX keeps only those that took a second or more to
@@ -86,12 +63,14 @@ def _enable_compilation_cache() -> None:
 
 class LLMEngine:
     def __init__(self, model, model_config, tokenizer, config: EngineConfig | None = None):
-        """model: a models.LlamaForCausalLM; tokenizer: a transformers tokenizer."""
+        """model: a models.LlamaForCausalLM on the default device (where the engine runs);
+        tokenizer: a transformers tokenizer."""
         _enable_compilation_cache()
         self.config = config or EngineConfig()
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.resolved = resolve(self.config, model_config)
+        weights_dtype = jnp.result_type(*jax.tree.leaves(nnx.state(model, nnx.Param)))
+        self.resolved = resolve(self.config, model_config, default_device(), weights_dtype)
         attention = self.resolved.attention
         # A fallback is slower by a wide margin: said where a user sees it, not only in the stats.
         logger.log(logging.WARNING if attention.fallback else logging.INFO, "attention backend %s: %s",
@@ -111,7 +90,8 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m", **options) -> "LLMEngine":
         config = EngineConfig(**options)
-        loaded = models.load_model(model, dtype=jnp.dtype(config.dtype))
+        dtype = default_dtype(default_device().platform) if config.dtype == "auto" else config.dtype
+        loaded = models.load_model(model, dtype=jnp.dtype(dtype))
         return cls(loaded.model, loaded.config, loaded.tokenizer, config)
 
     # Requests.

@@ -1,7 +1,9 @@
 """Runs one engine step on the device: the jitted model call with sampling fused into it.
 
 The KV cache is donated to every call that changes it, so XLA updates its pages in place, and a step
-sends back only what the sampler picked (one device-to-host transfer).
+sends back only what the sampler picked (one device-to-host transfer). `step` is the one jitted step;
+`ModelRunner.step_args` gives what the engine passes it, so the same step can be lowered for another
+platform (tests lower it for CUDA on a CPU machine).
 """
 
 import functools
@@ -13,14 +15,22 @@ from flax import nnx
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from paged_jax import sampling
-from paged_jax.batch import build_step_input
+from paged_jax.batch import StepInput, build_step_input
 from paged_jax.buckets import bucket, pad_to_bucket
 from paged_jax.config import EngineConfig, ResolvedConfig
 from paged_jax.scheduler import ScheduledSeq
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend"), donate_argnames=("kv_cache",))
-def _step(graphdef, state, kv_cache: KVCache, step_input, sampling_tensors, *, attn_backend: str):
+def step(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, step_input: StepInput,
+         sampling_tensors: sampling.SamplingTensors, *, attn_backend: str):
+    """The model over one flat batch, then the sampler on each sequence's last new token.
+
+    kv_cache: every layer's pages, donated (updated in place; do not reuse the one passed in).
+    attn_backend: a concrete backend (kernels_pallas.BACKENDS, not "auto": the caller knows the
+        platform it compiles for, the trace does not).
+    Returns (SamplerOutput with S rows, the cache holding the step's K/V).
+    """
     model = nnx.merge(graphdef, state)
     logits, kv_cache = model(step_input.input_ids, step_input.positions, kv_cache, step_input.metadata,
                              step_input.logits_indices, attn_backend=attn_backend)
@@ -47,21 +57,28 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self._num_blocks = resolved.num_blocks
-        self._attn_backend = resolved.attention.backend
+        self.attention_backend = resolved.attention_backend
         self.kv_cache = init_kv_cache(model_config.num_layers, resolved.num_blocks, config.block_size,
-                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(config.dtype),
+                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(resolved.dtype),
                                       allocate=allocate_pages)
 
     @property
     def num_compiles(self) -> int:
         """Programs compiled so far for the step and the block copies (counts recompiles)."""
-        return _step._cache_size() + copy_blocks._cache_size() + _write_blocks._cache_size()
+        return step._cache_size() + copy_blocks._cache_size() + _write_blocks._cache_size()
 
     def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
         if copies:
             src, dst = np.asarray(copies, np.int32).T
             self.kv_cache = copy_blocks(self.kv_cache, pad_to_bucket(src, 0), pad_to_bucket(dst, self._num_blocks))
+        args, keywords = self.step_args(scheduled)
+        sampled, self.kv_cache = step(*args, **keywords)
+        return jax.device_get(sampled)
+
+    def step_args(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict]:
+        """(args, keywords) that `execute` calls `step` with for these sequences: the graph, the
+        weights, the KV cache, the step's host arrays and sampling tensors; the attention backend."""
         step_input = build_step_input(scheduled, self.config.block_size)
         seqs = [s.seq for s in scheduled]
         tensors = sampling.make_sampling_tensors(
@@ -71,9 +88,7 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             self.model_config.eos_token_ids,
             pad_rows_to=step_input.logits_indices.shape[0])
-        sampled, self.kv_cache = _step(self.graphdef, self.state, self.kv_cache, step_input, tensors,
-                                       attn_backend=self._attn_backend)
-        return jax.device_get(sampled)
+        return (self.graphdef, self.state, self.kv_cache, step_input, tensors), dict(attn_backend=self.attention_backend)
 
     # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks.
 

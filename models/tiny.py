@@ -1,0 +1,36 @@
+"""Tiny random Llama models without torch or a checkpoint: for lowering tests and the GPU check."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM
+
+# Group 3 (as SmolLM2's 9 heads over 3), which the Pallas kernel pads to 4; head_dim 16, the
+# smallest its Triton tiles take.
+TINY_LLAMA = ModelConfig(
+    architecture="llama", vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=6,
+    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+)
+
+
+def random_model(config: ModelConfig = TINY_LLAMA, *, dtype=jnp.float32, seed: int = 0) -> LlamaForCausalLM:
+    """A model with every weight random, made on the default device.
+
+    Norm weights are uniform in [0.5, 1.5] and the others normal(0, 0.15), as the tests' transformers
+    checkpoints are: the logits spread wide enough that greedy tokens rarely sit on a near-tie, so two
+    attention backends can be compared token for token.
+    """
+    model = LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+    params = nnx.state(model, nnx.Param)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    def draw(path, x, key):
+        if "norm" in jax.tree_util.keystr(path):
+            return jax.random.uniform(key, x.shape, jnp.float32, 0.5, 1.5).astype(x.dtype)
+        return (0.15 * jax.random.normal(key, x.shape, jnp.float32)).astype(x.dtype)
+
+    nnx.update(model, jax.tree_util.tree_unflatten(tree, [draw(p, x, k) for (p, x), k in zip(leaves, keys)]))
+    return model

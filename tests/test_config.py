@@ -1,0 +1,83 @@
+"""What EngineConfig's defaults resolve to per platform, with fake devices standing in for a GPU."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import bytes_per_block, default_backend
+from models.tiny import TINY_LLAMA
+from paged_jax.config import HOST_KV_CACHE_MEMORY_BYTES, EngineConfig, default_device, default_dtype, resolve
+
+MiB = 1 << 20
+
+
+def fake_device(platform: str, stats=None):
+    return types.SimpleNamespace(platform=platform, memory_stats=lambda: stats)
+
+
+def per_block(dtype, block_size=16) -> int:
+    c = TINY_LLAMA
+    return bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype)
+
+
+def test_auto_on_a_gpu_is_bfloat16_pallas_and_a_budget_from_free_memory():
+    gpu = fake_device("gpu", {"bytes_limit": 20 * MiB, "bytes_in_use": 2 * MiB, "peak_bytes_in_use": 3 * MiB})
+    assert default_dtype("gpu") == "bfloat16"
+    resolved = resolve(EngineConfig(), TINY_LLAMA, gpu, jnp.bfloat16)
+    assert (resolved.dtype, resolved.attention_backend, resolved.platform) == ("bfloat16", "pallas", "gpu")
+    # 0.9 of what the allocator may hold, less the weights already in it; block 0 is the null block.
+    assert resolved.num_blocks == (int(0.9 * 20 * MiB) - 2 * MiB) // per_block(jnp.bfloat16) + 1
+    half = resolve(EngineConfig(gpu_memory_utilization=0.5), TINY_LLAMA, gpu, jnp.bfloat16)
+    assert half.num_blocks == (10 * MiB - 2 * MiB) // per_block(jnp.bfloat16) + 1
+
+
+def test_auto_on_the_cpu_stays_float32_and_two_gib():
+    assert default_dtype("cpu") == "float32"
+    resolved = resolve(EngineConfig(max_num_seqs=8192), TINY_LLAMA, fake_device("cpu"), jnp.float32)
+    assert resolved.dtype == "float32" and resolved.platform == "cpu"
+    assert resolved.attention_backend == default_backend(jnp.float32, "cpu") in ("cpu", "xla")
+    assert resolved.num_blocks == HOST_KV_CACHE_MEMORY_BYTES // per_block(jnp.float32) + 1
+
+
+def test_explicit_choices_win():
+    gpu = fake_device("gpu", {"bytes_limit": 20 * MiB, "bytes_in_use": 2 * MiB})
+    by_bytes = resolve(EngineConfig(kv_cache_memory_bytes=MiB, dtype="float32"), TINY_LLAMA, gpu, jnp.bfloat16)
+    assert by_bytes.dtype == "float32" and by_bytes.num_blocks == MiB // per_block(jnp.float32) + 1
+    by_count = resolve(EngineConfig(num_blocks=33, kv_cache_memory_bytes=MiB, attention_backend="xla"),
+                       TINY_LLAMA, gpu, jnp.bfloat16)
+    assert by_count.num_blocks == 33 and by_count.attention_backend == "xla"
+
+
+def test_a_gpu_without_memory_stats_falls_back_to_the_host_budget():
+    resolved = resolve(EngineConfig(max_num_seqs=8192), TINY_LLAMA, fake_device("gpu", None), jnp.bfloat16)
+    assert resolved.num_blocks == HOST_KV_CACHE_MEMORY_BYTES // per_block(jnp.bfloat16) + 1
+
+
+def test_a_full_gpu_and_a_backend_of_another_platform_are_errors():
+    full = fake_device("gpu", {"bytes_limit": 20 * MiB, "bytes_in_use": 19 * MiB})
+    with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
+        resolve(EngineConfig(), TINY_LLAMA, full, jnp.bfloat16)
+    with pytest.raises(ValueError, match="'pallas' runs on gpu only"):
+        resolve(EngineConfig(attention_backend="pallas"), TINY_LLAMA, fake_device("cpu"), jnp.float32)
+    with pytest.raises(ValueError, match="'cpu' runs on cpu only"):
+        resolve(EngineConfig(attention_backend="cpu", num_blocks=8), TINY_LLAMA, fake_device("gpu"), jnp.float32)
+    interpreted = resolve(EngineConfig(attention_backend="pallas_interpret", num_blocks=8), TINY_LLAMA,
+                          fake_device("cpu"), jnp.float32)
+    assert interpreted.attention_backend == "pallas_interpret"
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5])
+def test_gpu_memory_utilization_is_a_fraction(value):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=value)
+
+
+def test_default_device_follows_jax_default_device():
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        assert default_device() == cpu
+    with jax.default_device("cpu"):
+        assert default_device() == cpu
+    assert default_device() == jax.devices()[0]
