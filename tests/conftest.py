@@ -15,7 +15,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
                           Qwen2Config, Qwen2ForCausalLM)
 
 from models import load_model
-from models.loader import _tokenizer, resolve
+from models.loader import load_tokenizer, resolve
 
 _TINY = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -108,7 +108,7 @@ def tiny_chat_folder(tmp_path_factory) -> Path:
     """A tiny random SmolLM2-shaped model that speaks SmolLM2's vocabulary, with its real tokenizer and
     chat template: for server tests, where speed matters and sensible text does not. Its random
     tokens decode to any bytes, split UTF-8 characters included."""
-    tokenizer = _tokenizer(resolve("smollm2-135m"))
+    tokenizer = load_tokenizer("smollm2-135m")
     folder = tmp_path_factory.mktemp("tiny-chat")
     make_tiny_model("smollm2", vocab_size=len(tokenizer), max_position_embeddings=512, bos_token_id=1,
                     eos_token_id=tokenizer.eos_token_id).save_pretrained(folder)
