@@ -43,6 +43,8 @@ class BlockManager:
         return n <= self.num_free + evictable
 
     def allocate(self, n: int) -> list[int]:
+        if n == 0:
+            return []
         if n > self.num_free and self.cache is not None:
             self.free(self.cache.evict(self.refcounts, n - self.num_free))
         self.pool, ids, ok = block_pool.allocate(self.pool, n, max_n=bucket(n))
@@ -65,10 +67,13 @@ class BlockManager:
             # The scheduler's bookkeeping disagrees with the pool: a bug, never a user error.
             raise RuntimeError(f"block pool refused to {what} blocks {list(ids)}")
 
-    def copy_on_write(self, block: int) -> tuple[int, int] | None:
-        """(block, private copy) if block is shared and must be copied before a write, else None."""
-        if self.refcounts[block] <= 1:
-            return None
+    def is_shared(self, block: int) -> bool:
+        """Whether a write to block must go to a private copy first."""
+        return self.refcounts[block] > 1
+
+    def copy_on_write(self, block: int) -> tuple[int, int]:
+        """(block, its private copy) for a shared block about to be written; the copy is one fresh
+        block, so the caller checks can_allocate(1) first."""
         if self.num_free == 0 and self.cache is not None:
             self.free(self.cache.evict(self.refcounts, 1))
         self.pool, _, copies, ok = block_pool.copy_on_write(self.pool, self._ids_on_cpu([block]))

@@ -1,11 +1,12 @@
 """Iteration-level scheduling: one decision per engine step, made on the host.
 
 Each step the scheduler
-1. gives every running sequence its next tokens (a decode token, or the next chunk of a prompt),
-   preempting the most recently admitted sequences when the pool runs short;
-2. admits waiting sequences first-come first-served while free blocks, max_num_seqs and the token
-   budget allow (the queue's head waits rather than being overtaken, so nothing starves);
-3. forks a request with n > 1 into its samples once their shared prompt is computed.
+1. forks a request with n > 1 into its samples once their shared prompt is computed;
+2. gives every running sequence its next tokens (a decode token, or the next chunk of a prompt) and
+   the blocks they land in, a private copy included where a fork still shares the block, preempting
+   the most recently admitted sequences when the pool runs short;
+3. admits waiting sequences first-come first-served while free blocks, max_num_seqs and the token
+   budget allow (the queue's head waits rather than being overtaken, so nothing starves).
 
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
@@ -83,7 +84,6 @@ class Scheduler:
                 continue
             if not self._reserve(seq, num_new, out):
                 break  # seq itself was preempted
-            self._copy_on_write(seq, out)
             self._schedule(seq, num_new, out)
             budget -= num_new
             i += 1
@@ -119,27 +119,30 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else 0
 
     def _reserve(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Grow seq's block list to hold num_new more tokens, preempting the newest sequences
-        (possibly seq itself) until the pool can. False when seq was preempted."""
-        need = self._blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
-        while need > 0 and not self.blocks.can_allocate(need):
+        """Give seq the blocks its num_new more tokens land in: those it lacks, and a private copy of
+        the partly filled block they start in if a fork still shares it. Preempts the newest sequences
+        (possibly seq itself) until the pool can; False when seq was preempted."""
+        missing = self._blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
+        # Counted again after each preemption: the victim may have been what shared the block.
+        while not self.blocks.can_allocate(missing + (self._shared_tail(seq) is not None)):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        if need > 0:
-            seq.block_ids.extend(self.blocks.allocate(need))
+        index = self._shared_tail(seq)
+        if index is not None:
+            src, dst = self.blocks.copy_on_write(seq.block_ids[index])
+            out.copies.append((src, dst))
+            seq.block_ids[index] = dst
+        seq.block_ids.extend(self.blocks.allocate(missing))
         return True
 
-    def _copy_on_write(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Give seq a private copy of the block its next token lands in, if that block is shared."""
+    def _shared_tail(self, seq: Sequence) -> int | None:
+        """Index in seq.block_ids of the partly filled block its next token lands in, if it is shared."""
         if seq.num_computed_tokens % self.blocks.block_size == 0:
-            return  # the next token opens a fresh block
+            return None  # the next token opens a fresh block
         index = seq.num_computed_tokens // self.blocks.block_size
-        copy = self.blocks.copy_on_write(seq.block_ids[index])
-        if copy is not None:
-            out.copies.append(copy)
-            seq.block_ids[index] = copy[1]
+        return index if self.blocks.is_shared(seq.block_ids[index]) else None
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
