@@ -111,9 +111,7 @@ class Scheduler:
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute for seq this step, 0 if it cannot run now."""
-        remaining = seq.num_tokens - seq.num_computed_tokens
-        if seq.forks > 1:
-            remaining -= 1  # the last prompt token is computed by each fork
+        remaining = seq.num_computable_tokens - seq.num_computed_tokens
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
@@ -148,7 +146,7 @@ class Scheduler:
         """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
         if seq.swapped_kv is not None:
             return self._swap_in(seq, budget)
-        cached = self.blocks.match_prefix(seq.token_ids)
+        cached = self.blocks.match_prefix(seq.token_ids[: seq.num_computable_tokens])
         num_computed = len(cached) * self.blocks.block_size
         seq.num_computed_tokens = num_computed
         num_new = self._num_new_tokens(seq, budget)
@@ -189,9 +187,11 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _fork_ready(self) -> list[Sequence]:
-        """Split each parent whose shared prompt is computed into its n samples, sharing its blocks."""
+        """Split each parent whose shared prompt is computed into its n samples, sharing its blocks.
+        A one-token prompt shares nothing, so its parent forks while it waits."""
         forked = []
-        for parent in [s for s in self.running if s.forks > 1 and s.num_computed_tokens == s.num_tokens - 1]:
+        for parent in [s for s in (*self.running, *self.waiting)
+                       if s.forks > 1 and s.num_computed_tokens == s.num_computable_tokens]:
             for k in range(parent.forks - 1, 0, -1):
                 forked.append(self.fork(parent, seq_id=parent.seq_id + k, index=parent.index + k))
             parent.forks = 1

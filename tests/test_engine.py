@@ -43,6 +43,17 @@ def generate(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
 
 
+def finish_all(engine: LLMEngine, max_steps: int = 2000) -> dict:
+    """request id -> its finished output, stepping until nothing is left; a stuck engine fails
+    the test rather than hanging it."""
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
 def assert_all_free(engine: LLMEngine) -> None:
     """Every block back in the pool once the prefix cache lets go of its own references."""
     assert not engine.has_unfinished_requests()
@@ -238,6 +249,21 @@ def test_forks_preempted_on_a_full_pool_give_the_same_tokens(tiny, prompts, mode
     assert tokens == roomy
     assert all(len(c) == 40 for samples in tokens[:3] for c in samples)
     assert all(preemptions), preemptions  # every request lost blocks to the others at least once
+    assert_all_free(engine)
+
+
+def test_n_samples_of_a_prompt_with_nothing_left_to_share_start(tiny, prompts):
+    """A one-token prompt has no shared part to compute before forking, and neither has a prompt
+    whose shared part is all in the prefix cache; both once waited forever at the queue's head."""
+    engine = make_engine(tiny, block_size=8, num_blocks=64)
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True)
+    cached = prompts[1][:17]  # 16 shared tokens: two full blocks
+    ids = [engine.add_request(p, params) for p in (prompts[0][:1], cached)]
+    done = finish_all(engine)
+    ids.append(engine.add_request(cached, params))
+    done |= finish_all(engine)
+    assert [len(done[i].outputs) for i in ids] == [2, 2, 2]
+    assert done[ids[2]].outputs[0].token_ids == done[ids[1]].outputs[0].token_ids  # seeded
     assert_all_free(engine)
 
 
