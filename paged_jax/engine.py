@@ -47,24 +47,33 @@ class EngineStats:
 
 
 def resolve(config: EngineConfig, model_config: "models.ModelConfig") -> ResolvedConfig:
-    """Settle the run-time sizes: context length from the model, block count from the budget."""
-    max_model_len = model_config.max_model_len
-    if config.max_model_len is not None:
-        if config.max_model_len > max_model_len:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's context length {max_model_len}"
-            )
-        max_model_len = config.max_model_len
-    max_blocks_per_seq = -(-max_model_len // config.block_size)
+    """Settle the run-time sizes: the block count from the budget, and the context length.
+
+    The context length is the model's, cut to what one sequence can always be given, so that no
+    request waits forever for room: the whole KV cache and, without chunked prefill, one step's
+    tokens (a preempted sequence is computed again in one step). An explicit max_model_len beyond
+    any of these is an error.
+    """
+    wanted = config.max_model_len or model_config.max_model_len
     num_blocks = config.num_blocks
     if num_blocks is None:
         per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
                                     model_config.head_dim, jnp.dtype(config.dtype))
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
-        num_blocks = min(config.kv_cache_memory_bytes // per_block, 4 * max_blocks_per_seq * config.max_num_seqs) + 1
+        num_blocks = min(config.kv_cache_memory_bytes // per_block,
+                         4 * -(-wanted // config.block_size) * config.max_num_seqs) + 1
     if num_blocks - 1 < 1:
         raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
-    return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq)
+    pool = f"what the KV cache holds ({num_blocks - 1} blocks of {config.block_size})"
+    limits = {"the model's context length": model_config.max_model_len, pool: (num_blocks - 1) * config.block_size}
+    if not config.enable_chunked_prefill:
+        limits["max_num_batched_tokens, as chunked prefill is off"] = config.max_num_batched_tokens
+    for what, limit in limits.items():
+        if wanted > limit and config.max_model_len is not None:
+            raise ValueError(f"max_model_len {wanted} exceeds {what}: {limit} tokens")
+    max_model_len = min(wanted, *limits.values())
+    return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len,
+                          max_blocks_per_seq=-(-max_model_len // config.block_size))
 
 
 def _enable_compilation_cache() -> None:

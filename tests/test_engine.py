@@ -267,6 +267,18 @@ def test_n_samples_of_a_prompt_with_nothing_left_to_share_start(tiny, prompts):
     assert_all_free(engine)
 
 
+def test_the_context_length_fits_the_pool(tiny):
+    engine = make_engine(tiny, block_size=8, num_blocks=13)
+    assert engine.resolved.max_model_len == 96  # 12 blocks of 8, below the model's 256
+    with pytest.raises(ValueError, match="max_model_len is 96"):
+        engine.add_request(list(range(2, 102)), GREEDY)
+    with pytest.raises(ValueError, match=r"exceeds what the KV cache holds \(12 blocks of 8\): 96 tokens"):
+        make_engine(tiny, block_size=8, num_blocks=13, max_model_len=100)
+    with pytest.raises(ValueError, match="exceeds max_num_batched_tokens, as chunked prefill is off: 64"):
+        make_engine(tiny, max_model_len=100, max_num_batched_tokens=64, enable_chunked_prefill=False)
+    assert make_engine(tiny, max_num_batched_tokens=64, enable_chunked_prefill=False).resolved.max_model_len == 64
+
+
 @pytest.fixture(scope="module")
 def smollm2_llm(smollm2):
     model, config, tokenizer, _ = smollm2
