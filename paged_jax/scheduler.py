@@ -11,6 +11,11 @@ Each step the scheduler
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
 back into fresh blocks.
+
+The engine's context length fits the whole pool (engine.resolve), so a sequence alone always fits, and
+every waiting sequence has a token to compute; the one step that could then schedule nothing while
+some sequence waits is when all that runs are beams awaiting their siblings' proposals, and there
+the newest of them makes way. So every request finishes, whatever the pool.
 """
 
 import collections
@@ -100,6 +105,12 @@ class Scheduler:
             self.running.append(seq)
             self._schedule(seq, num_new, out)
             budget -= num_new
+
+        if not out.scheduled and self.waiting and self.running:
+            # All that runs are beams holding their blocks until their siblings' proposals are in,
+            # and the queue's head (perhaps such a sibling) may need that room: the newest makes way.
+            # It goes to the back, as it has nothing to compute before its siblings catch up.
+            self._preempt(self.running[-1], out, to_back=True)
         return out
 
     def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
@@ -171,8 +182,11 @@ class Scheduler:
         seq.swapped_kv = None
         return num_new
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, *, to_back: bool = False) -> None:
         self.running.remove(seq)
+        # Admission needs a token to run: a beam awaiting its siblings, with every token computed,
+        # keeps all but its last.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
         if self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0:
             seq.swapped_kv = self.swapper.swap_out(seq.block_ids[: self._blocks_for(seq.num_computed_tokens)])
         else:
@@ -183,7 +197,10 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if to_back:
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
     def _fork_ready(self) -> list[Sequence]:

@@ -267,6 +267,21 @@ def test_n_samples_of_a_prompt_with_nothing_left_to_share_start(tiny, prompts):
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_beam_search_wider_than_the_pool_gives_the_same_beams(tiny, prompts, mode):
+    """Four beams of 40 tokens need 14 blocks beyond their shared prompt; the pool has 7, so beams
+    that await their siblings make way for them."""
+    params = SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=20, ignore_eos=True)
+    roomy = LLM.from_engine(make_engine(tiny, block_size=8, num_blocks=64)).generate(
+        [prompts[4][:20]], params, use_tqdm=False)[0]
+    engine = make_engine(tiny, block_size=8, num_blocks=8, preemption_mode=mode)
+    request_id = engine.add_request(prompts[4][:20], params)
+    small = finish_all(engine)[request_id]
+    assert [c.token_ids for c in small.outputs] == [c.token_ids for c in roomy.outputs]
+    assert engine.stats().num_preemptions > 0
+    assert_all_free(engine)
+
+
 def test_the_context_length_fits_the_pool(tiny):
     engine = make_engine(tiny, block_size=8, num_blocks=13)
     assert engine.resolved.max_model_len == 96  # 12 blocks of 8, below the model's 256
