@@ -46,8 +46,19 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self._num_blocks = resolved.num_blocks
-        self.kv_cache = init_kv_cache(model_config.num_layers, resolved.num_blocks, config.block_size,
-                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(config.dtype))
+        self.kv_cache = self._new_kv_cache()
+
+    def _new_kv_cache(self) -> KVCache:
+        return init_kv_cache(self.model_config.num_layers, self._num_blocks, self.config.block_size,
+                             self.model_config.num_kv_heads, self.model_config.head_dim, jnp.dtype(self.config.dtype))
+
+    def restore_kv_cache(self) -> bool:
+        """After a failed call: whether the failure took the KV cache, and if so a fresh one in its place.
+        XLA frees donated buffers even when the call fails at run time."""
+        if not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache)):
+            return False
+        self.kv_cache = self._new_kv_cache()
+        return True
 
     @property
     def num_compiles(self) -> int:

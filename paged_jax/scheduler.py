@@ -110,7 +110,9 @@ class Scheduler:
             # All that runs are beams holding their blocks until their siblings' proposals are in,
             # and the queue's head (perhaps such a sibling) may need that room: the newest makes way.
             # It goes to the back, as it has nothing to compute before its siblings catch up.
-            self._preempt(self.running[-1], out, to_back=True)
+            victim = self.running[-1]
+            self._preempt(victim, to_back=True)
+            out.preempted.append(victim)
         return out
 
     def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
@@ -135,7 +137,8 @@ class Scheduler:
         # Counted again after each preemption: the victim may have been what shared the block.
         while not self.blocks.can_allocate(missing + (self._shared_tail(seq) is not None)):
             victim = self.running[-1]
-            self._preempt(victim, out)
+            self._preempt(victim)
+            out.preempted.append(victim)
             if victim is seq:
                 return False
         index = self._shared_tail(seq)
@@ -182,7 +185,14 @@ class Scheduler:
         seq.swapped_kv = None
         return num_new
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, *, to_back: bool = False) -> None:
+    def recompute_all(self) -> None:
+        """Every block's content is lost: running sequences go back to the queue, in order, to be
+        computed again from their first token."""
+        for seq in reversed(self.running):
+            seq.num_computed_tokens = 0
+            self._preempt(seq)
+
+    def _preempt(self, seq: Sequence, *, to_back: bool = False) -> None:
         self.running.remove(seq)
         # Admission needs a token to run: a beam awaiting its siblings, with every token computed,
         # keeps all but its last.
@@ -201,7 +211,6 @@ class Scheduler:
             self.waiting.append(seq)
         else:
             self.waiting.appendleft(seq)
-        out.preempted.append(seq)
 
     def _fork_ready(self) -> list[Sequence]:
         """Split each parent whose shared prompt is computed into its n samples, sharing its blocks.

@@ -1,8 +1,12 @@
 """Shared fixtures: tiny random Hugging Face checkpoints of each supported architecture, the real
-SmolLM2 GGUF (ours and transformers'), and greedy decoding by transformers as the reference."""
+SmolLM2 GGUF (ours and transformers'), greedy decoding by transformers as the reference, and faults
+to inject into an engine step."""
 
+import functools
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
@@ -93,3 +97,17 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
         if len(generated) == steps:
             return generated
         out = model(torch.tensor([generated[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+def fail_on_host(*args):
+    """A fault in the host's part of a step, in place of any method."""
+    raise RuntimeError("injected fault")
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_cache",))
+def fail_in_xla(kv_cache):
+    """A fault at run time inside XLA, in a call the KV cache was donated to (as a kernel's error
+    would be): XLA frees the donated buffers all the same."""
+    def fail():
+        raise RuntimeError("injected fault")
+    return jax.pure_callback(fail, jax.ShapeDtypeStruct((), jnp.int32)), kv_cache

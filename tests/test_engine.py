@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CHAT_PROMPTS, hf_greedy
+from conftest import CHAT_PROMPTS, fail_in_xla, fail_on_host, hf_greedy
 from models import load_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 
@@ -292,6 +292,63 @@ def test_the_context_length_fits_the_pool(tiny):
     with pytest.raises(ValueError, match="exceeds max_num_batched_tokens, as chunked prefill is off: 64"):
         make_engine(tiny, max_model_len=100, max_num_batched_tokens=64, enable_chunked_prefill=False)
     assert make_engine(tiny, max_num_batched_tokens=64, enable_chunked_prefill=False).resolved.max_model_len == 64
+
+
+# Where a step fails: (object, method) -> what the fault does in its place.
+FAULTS = {
+    "scheduling": (lambda engine: engine.scheduler, "schedule", fail_on_host),
+    "host": (lambda engine: engine.runner, "execute", fail_on_host),
+    "xla": (lambda engine: engine.runner, "execute", lambda runner, *args: fail_in_xla(runner.kv_cache)),
+}
+
+
+@pytest.mark.parametrize("where", sorted(FAULTS))
+def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_goes_on(tiny, prompts, monkeypatch, caplog,
+                                                                               where):
+    reference = generate(make_engine(tiny, block_size=8, num_blocks=256), prompts[:4])
+    engine = make_engine(tiny, block_size=8, num_blocks=256, max_num_seqs=2)
+    generate(engine, [prompts[1]])  # caches the prefix that prompts[3] shares
+    a, b, c = (engine.add_request(p, GREEDY) for p in (prompts[0], prompts[2], prompts[3]))  # c waits
+    engine.step()
+    engine.step()
+    owner, name, fault = FAULTS[where]
+    target = owner(engine)
+    original = getattr(target, name)
+
+    def fail_once(*args):
+        monkeypatch.setattr(target, name, original)
+        fault(engine.runner, *args)
+
+    monkeypatch.setattr(target, name, fail_once)
+    failed = engine.step()
+    assert [o.request_id for o in failed] == [a, b]
+    for output in failed:
+        assert output.finished and "injected fault" in output.error
+        assert [c.finish_reason for c in output.outputs] == ["error"] and len(output.outputs[0].token_ids) == 2
+    assert "an engine step failed" in caplog.text
+    # A fault inside XLA took the donated KV cache, and the prefix cache's blocks with it.
+    assert (len(engine.blocks.cache) == 0) == (where == "xla")
+    d = engine.add_request(prompts[1], GREEDY)
+    assert {i: o.outputs[0].token_ids for i, o in finish_all(engine).items()} == {c: reference[3], d: reference[1]}
+    assert_all_free(engine)
+
+
+def test_a_fault_that_takes_the_kv_cache_sends_the_running_requests_outside_the_step_back_to_compute(
+        tiny, prompts, monkeypatch):
+    reference = generate(make_engine(tiny, block_size=8, num_blocks=256), [prompts[0]])[0]
+    # Two tokens a step: step 1 computes the first token of each prompt; step 2 forks `forking` into
+    # four samples ahead of `bystander`, and only two of them fit.
+    engine = make_engine(tiny, block_size=8, num_blocks=256, max_num_batched_tokens=2)
+    forking = engine.add_request(prompts[1][:2], SamplingParams(n=4, seed=0, max_tokens=4, ignore_eos=True))
+    bystander = engine.add_request(prompts[0], GREEDY)
+    engine.step()
+    monkeypatch.setattr(engine.runner, "execute", lambda *args: fail_in_xla(engine.runner.kv_cache))
+    failed = engine.step()
+    monkeypatch.undo()
+    assert [o.request_id for o in failed] == [forking]
+    assert [s.request_id for s in engine.scheduler.waiting] == [bystander]  # its first token's KV is gone
+    assert {i: o.outputs[0].token_ids for i, o in finish_all(engine).items()} == {bystander: reference}
+    assert_all_free(engine)
 
 
 @pytest.fixture(scope="module")
