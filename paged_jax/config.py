@@ -122,14 +122,6 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     model_config: a models.ModelConfig; device: where the engine runs (`default_device()`);
     weights_dtype: the model's parameter dtype.
     """
-    max_model_len = model_config.max_model_len
-    if config.max_model_len is not None:
-        if config.max_model_len > max_model_len:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's context length {max_model_len}"
-            )
-        max_model_len = config.max_model_len
-    max_blocks_per_seq = -(-max_model_len // config.block_size)
     dtype = jnp.dtype(weights_dtype).name if config.dtype == "auto" else config.dtype
     platform = device.platform
     attention = choose_backend(config.attention_backend, dtype, platform)
@@ -138,13 +130,28 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
         raise ValueError(f"attention_backend {backend!r} runs on {_BACKEND_PLATFORM[backend]} only, and this "
                          f"engine runs on {platform}; use 'auto' (or 'pallas_interpret' to run the Pallas "
                          "kernel's body off a GPU, slowly)")
+    # The context length is the model's, cut to what one sequence can always be given, so that no
+    # request waits forever for room: the whole KV cache and, without chunked prefill, one step's
+    # tokens (a preempted sequence is computed again in one step). An explicit max_model_len beyond
+    # any of these is an error.
+    wanted = config.max_model_len or model_config.max_model_len
     num_blocks = config.num_blocks
     if num_blocks is None:
         per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
                                     model_config.head_dim, dtype)
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
-        num_blocks = min(kv_cache_budget(config, device) // per_block, 4 * max_blocks_per_seq * config.max_num_seqs) + 1
+        num_blocks = min(kv_cache_budget(config, device) // per_block,
+                         4 * -(-wanted // config.block_size) * config.max_num_seqs) + 1
     if num_blocks - 1 < 1:
         raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
+    pool = f"what the KV cache holds ({num_blocks - 1} blocks of {config.block_size})"
+    limits = {"the model's context length": model_config.max_model_len, pool: (num_blocks - 1) * config.block_size}
+    if not config.enable_chunked_prefill:
+        limits["max_num_batched_tokens, as chunked prefill is off"] = config.max_num_batched_tokens
+    for what, limit in limits.items():
+        if wanted > limit and config.max_model_len is not None:
+            raise ValueError(f"max_model_len {wanted} exceeds {what}: {limit} tokens")
+    max_model_len = min(wanted, *limits.values())
+    max_blocks_per_seq = -(-max_model_len // config.block_size)
     return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
                           dtype=dtype, platform=platform, attention=attention)

@@ -21,8 +21,10 @@ from paged_jax.config import EngineConfig, default_device, default_dtype, resolv
 from paged_jax.model_runner import ModelRunner
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
-from paged_jax.scheduler import ScheduledSeq, Scheduler
-from paged_jax.sequence import Sequence, Status
+from paged_jax.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from paged_jax.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 _MAX_SEED = 2**31 - 1
 logger = logging.getLogger(__name__)
@@ -167,8 +169,48 @@ class LLMEngine:
     # The step.
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; outputs for the requests that advanced."""
-        out = self.scheduler.schedule()
+        """Schedule, run the model once, sample; outputs for the requests that advanced.
+
+        If anything in a step fails (a bug, an input no check caught), step() does not raise: the
+        error is logged, and the requests in the step end at once with their blocks freed, each with a
+        finished output whose completions have finish_reason "error" and RequestOutput.error set.
+        The requests in the step are those it scheduled or, when scheduling itself failed, all that
+        were running. The others go on, computed again if the failure took the KV cache with it.
+        """
+        requests = dict(self._requests)  # as they stood before the step, in case it fails
+        out = None
+        try:
+            out = self.scheduler.schedule()
+            return self._run(out)
+        except Exception as error:
+            logger.exception("an engine step failed; its requests end with an error")
+            seqs = self.scheduler.running if out is None else [*(s.seq for s in out.scheduled), *out.forked]
+            return self._fail(list(dict.fromkeys(s.request_id for s in seqs)), requests, error)
+
+    def _fail(self, request_ids: list[str], requests: dict[str, _Request], error: Exception) -> list[RequestOutput]:
+        """End the given requests with an error, and leave the engine fit to serve the others."""
+        now = time.monotonic()
+        # Swept from the queues, not taken from the requests: a step that failed may have forked
+        # samples that no request lists yet.
+        for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.request_id in request_ids]:
+            seq.finish_reason, seq.finish_time = "error", now
+            self.scheduler.finish(seq)
+        outputs = []
+        for request in (requests[i] for i in request_ids if i in requests):
+            self._requests.pop(request.request_id, None)
+            # No text: decoding may be what failed.
+            completions = [CompletionOutput(s.index, "", list(s.output_token_ids), s.cumulative_logprob, None, "error")
+                           for s in request.seqs]
+            metrics = self._metrics(request, now, max((len(c.token_ids) for c in completions), default=0))
+            outputs.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                                         True, metrics, error=f"{type(error).__name__}: {error}"))
+        if self.runner.restore_kv_cache():
+            # The failure took every block's content with it: nothing computed may be read again.
+            self.scheduler.recompute_all()
+            self.blocks.reset_prefix_cache()
+        return outputs
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         self.num_batched_tokens += out.num_tokens
         for child in out.forked:
             self._requests[child.request_id].seqs.append(child)
@@ -296,15 +338,9 @@ class LLMEngine:
         finished = len(completions) == request.params.n and all(c.finished for c in completions)
         if finished:
             del self._requests[request.request_id]
-        first = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
         last = [s.finish_time for s in request.seqs if s.finish_time is not None]
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_token_time=min(first) if first else None,
-            finish_time=max(last) if finished and last else None,
-            num_output_tokens=max(s.num_output_tokens for s in request.seqs),
-            num_prefix_hit_tokens=request.seqs[0].num_prefix_hit_tokens,
-            num_preemptions=sum(s.num_preemptions for s in request.seqs))
+        metrics = self._metrics(request, max(last) if finished and last else None,
+                                max(s.num_output_tokens for s in request.seqs))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              finished, metrics)
 
@@ -319,14 +355,20 @@ class LLMEngine:
         else:
             completions = [CompletionOutput(b.index, self._decode(b.output_token_ids), list(b.output_token_ids),
                                             b.cumulative_logprob, None, None) for b in request.seqs]
+        metrics = self._metrics(request, time.monotonic() if finished else None,
+                                max((len(c.token_ids) for c in completions), default=0))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, metrics)
+
+    @staticmethod
+    def _metrics(request: _Request, finish_time: float | None, num_output_tokens: int) -> RequestMetrics:
         first = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
-        metrics = RequestMetrics(
+        return RequestMetrics(
             arrival_time=request.arrival_time,
             first_token_time=min(first) if first else None,
-            finish_time=time.monotonic() if finished else None,
-            num_output_tokens=max((len(c.token_ids) for c in completions), default=0),
-            num_prefix_hit_tokens=0, num_preemptions=sum(s.num_preemptions for s in request.seqs))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, metrics)
+            finish_time=finish_time,
+            num_output_tokens=num_output_tokens,
+            num_prefix_hit_tokens=request.seqs[0].num_prefix_hit_tokens if request.seqs else 0,
+            num_preemptions=sum(s.num_preemptions for s in request.seqs))
 
     # Introspection.
 

@@ -58,9 +58,21 @@ class ModelRunner:
         self.config = config
         self._num_blocks = resolved.num_blocks
         self.attention_backend = resolved.attention_backend
-        self.kv_cache = init_kv_cache(model_config.num_layers, resolved.num_blocks, config.block_size,
-                                      model_config.num_kv_heads, model_config.head_dim, jnp.dtype(resolved.dtype),
-                                      allocate=allocate_pages)
+        self._kv_dtype = jnp.dtype(resolved.dtype)
+        self.kv_cache = self._new_kv_cache()
+
+    def _new_kv_cache(self) -> KVCache:
+        return init_kv_cache(self.model_config.num_layers, self._num_blocks, self.config.block_size,
+                             self.model_config.num_kv_heads, self.model_config.head_dim, self._kv_dtype,
+                             allocate=allocate_pages)
+
+    def restore_kv_cache(self) -> bool:
+        """After a failed call: whether the failure took the KV cache, and if so a fresh one in its place.
+        XLA frees donated buffers even when the call fails at run time."""
+        if not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache)):
+            return False
+        self.kv_cache = self._new_kv_cache()
+        return True
 
     @property
     def num_compiles(self) -> int:

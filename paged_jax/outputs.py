@@ -11,7 +11,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     # Per generated token: {token id: logprob} holding the chosen token and the top N.
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "error" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -47,3 +47,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Set when the request failed inside a step (its completions' finish_reason is then "error"):
+    # the exception's type and message. The engine logs the traceback and serves the other requests.
+    error: str | None = None

@@ -11,6 +11,11 @@ Each step the scheduler
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
 back into fresh blocks.
+
+The engine's context length fits the whole pool (engine.resolve), so a sequence alone always fits, and
+every waiting sequence has a token to compute; the one step that could then schedule nothing while
+some sequence waits is when all that runs are beams awaiting their siblings' proposals, and there
+the newest of them makes way. So every request finishes, whatever the pool.
 """
 
 import collections
@@ -100,6 +105,14 @@ class Scheduler:
             self.running.append(seq)
             self._schedule(seq, num_new, out)
             budget -= num_new
+
+        if not out.scheduled and self.waiting and self.running:
+            # All that runs are beams holding their blocks until their siblings' proposals are in,
+            # and the queue's head (perhaps such a sibling) may need that room: the newest makes way.
+            # It goes to the back, as it has nothing to compute before its siblings catch up.
+            victim = self.running[-1]
+            self._preempt(victim, to_back=True)
+            out.preempted.append(victim)
         return out
 
     def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
@@ -111,9 +124,7 @@ class Scheduler:
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute for seq this step, 0 if it cannot run now."""
-        remaining = seq.num_tokens - seq.num_computed_tokens
-        if seq.forks > 1:
-            remaining -= 1  # the last prompt token is computed by each fork
+        remaining = seq.num_computable_tokens - seq.num_computed_tokens
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
@@ -126,7 +137,8 @@ class Scheduler:
         # Counted again after each preemption: the victim may have been what shared the block.
         while not self.blocks.can_allocate(missing + (self._shared_tail(seq) is not None)):
             victim = self.running[-1]
-            self._preempt(victim, out)
+            self._preempt(victim)
+            out.preempted.append(victim)
             if victim is seq:
                 return False
         index = self._shared_tail(seq)
@@ -148,7 +160,7 @@ class Scheduler:
         """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
         if seq.swapped_kv is not None:
             return self._swap_in(seq, budget)
-        cached = self.blocks.match_prefix(seq.token_ids)
+        cached = self.blocks.match_prefix(seq.token_ids[: seq.num_computable_tokens])
         num_computed = len(cached) * self.blocks.block_size
         seq.num_computed_tokens = num_computed
         num_new = self._num_new_tokens(seq, budget)
@@ -173,8 +185,18 @@ class Scheduler:
         seq.swapped_kv = None
         return num_new
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def recompute_all(self) -> None:
+        """Every block's content is lost: running sequences go back to the queue, in order, to be
+        computed again from their first token."""
+        for seq in reversed(self.running):
+            seq.num_computed_tokens = 0
+            self._preempt(seq)
+
+    def _preempt(self, seq: Sequence, *, to_back: bool = False) -> None:
         self.running.remove(seq)
+        # Admission needs a token to run: a beam awaiting its siblings, with every token computed,
+        # keeps all but its last.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
         if self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0:
             seq.swapped_kv = self.swapper.swap_out(seq.block_ids[: self._blocks_for(seq.num_computed_tokens)])
         else:
@@ -185,13 +207,17 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+        if to_back:
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def _fork_ready(self) -> list[Sequence]:
-        """Split each parent whose shared prompt is computed into its n samples, sharing its blocks."""
+        """Split each parent whose shared prompt is computed into its n samples, sharing its blocks.
+        A one-token prompt shares nothing, so its parent forks while it waits."""
         forked = []
-        for parent in [s for s in self.running if s.forks > 1 and s.num_computed_tokens == s.num_tokens - 1]:
+        for parent in [s for s in (*self.running, *self.waiting)
+                       if s.forks > 1 and s.num_computed_tokens == s.num_computable_tokens]:
             for k in range(parent.forks - 1, 0, -1):
                 forked.append(self.fork(parent, seq_id=parent.seq_id + k, index=parent.index + k))
             parent.forks = 1

@@ -58,5 +58,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_computable_tokens(self) -> int:
+        """Tokens computed before the sequence samples: all of them, but for a parent of n samples
+        all but the last, which each sample computes for itself once the parent forks."""
+        return self.num_tokens - 1 if self.forks > 1 else self.num_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED

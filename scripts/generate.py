@@ -54,9 +54,12 @@ def main(argv=None) -> int:
             for completion in out.outputs:
                 print(completion.text, end="\n\n")
     elapsed = time.perf_counter() - start
+    errors = [out.error for out in outputs if out.error is not None]
+    for error in errors:
+        print(f"generate.py: a request failed: {error}", file=sys.stderr)
     if args.stats:
         _print_stats(llm.engine, outputs, elapsed)
-    return 0
+    return 1 if errors else 0
 
 
 def _stream(engine: LLMEngine, prompt, params):

@@ -1,13 +1,16 @@
 """Shared fixtures: tiny random Hugging Face checkpoints of each supported architecture, the real
-SmolLM2 GGUF (ours and transformers'), greedy decoding by transformers as the reference, and a server
-run in a thread on a free localhost port."""
+SmolLM2 GGUF (ours and transformers'), greedy decoding by transformers as the reference, a server run
+in a thread on a free localhost port, and faults to inject into an engine step."""
 
 import contextlib
+import functools
 import socket
 import threading
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 import uvicorn
@@ -141,3 +144,17 @@ def running_server(app, *, graceful_shutdown_s: float = 5.0):
         server.should_exit = True
         thread.join(60)
         sock.close()
+
+
+def fail_on_host(*args):
+    """A fault in the host's part of a step, in place of any method."""
+    raise RuntimeError("injected fault")
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_cache",))
+def fail_in_xla(kv_cache):
+    """A fault at run time inside XLA, in a call the KV cache was donated to (as a kernel's error
+    would be): XLA frees the donated buffers all the same."""
+    def fail():
+        raise RuntimeError("injected fault")
+    return jax.pure_callback(fail, jax.ShapeDtypeStruct((), jnp.int32)), kv_cache

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CHAT_PROMPTS, hf_greedy
+from conftest import CHAT_PROMPTS, fail_in_xla, fail_on_host, hf_greedy
 from models import load_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 
@@ -41,6 +41,17 @@ def prompts(tiny):
 
 def generate(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
+
+
+def finish_all(engine: LLMEngine, max_steps: int = 2000) -> dict:
+    """request id -> its finished output, stepping until nothing is left; a stuck engine fails
+    the test rather than hanging it."""
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
 
 def assert_all_free(engine: LLMEngine) -> None:
@@ -248,6 +259,105 @@ def test_forks_preempted_on_a_full_pool_give_the_same_tokens(tiny, prompts, mode
     assert tokens == roomy
     assert all(len(c) == 40 for samples in tokens[:3] for c in samples)
     assert all(preemptions), preemptions  # every request lost blocks to the others at least once
+    assert_all_free(engine)
+
+
+def test_n_samples_of_a_prompt_with_nothing_left_to_share_start(tiny, prompts):
+    """A one-token prompt has no shared part to compute before forking, and neither has a prompt
+    whose shared part is all in the prefix cache; both once waited forever at the queue's head."""
+    engine = make_engine(tiny, block_size=8, num_blocks=64)
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True)
+    cached = prompts[1][:17]  # 16 shared tokens: two full blocks
+    ids = [engine.add_request(p, params) for p in (prompts[0][:1], cached)]
+    done = finish_all(engine)
+    ids.append(engine.add_request(cached, params))
+    done |= finish_all(engine)
+    assert [len(done[i].outputs) for i in ids] == [2, 2, 2]
+    assert done[ids[2]].outputs[0].token_ids == done[ids[1]].outputs[0].token_ids  # seeded
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_beam_search_wider_than_the_pool_gives_the_same_beams(tiny, prompts, mode):
+    """Four beams of 40 tokens need 14 blocks beyond their shared prompt; the pool has 7, so beams
+    that await their siblings make way for them."""
+    params = SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=20, ignore_eos=True)
+    roomy = LLM.from_engine(make_engine(tiny, block_size=8, num_blocks=64)).generate(
+        [prompts[4][:20]], params, use_tqdm=False)[0]
+    engine = make_engine(tiny, block_size=8, num_blocks=8, preemption_mode=mode)
+    request_id = engine.add_request(prompts[4][:20], params)
+    small = finish_all(engine)[request_id]
+    assert [c.token_ids for c in small.outputs] == [c.token_ids for c in roomy.outputs]
+    assert engine.stats().num_preemptions > 0
+    assert_all_free(engine)
+
+
+def test_the_context_length_fits_the_pool(tiny):
+    engine = make_engine(tiny, block_size=8, num_blocks=13)
+    assert engine.resolved.max_model_len == 96  # 12 blocks of 8, below the model's 256
+    with pytest.raises(ValueError, match="max_model_len is 96"):
+        engine.add_request(list(range(2, 102)), GREEDY)
+    with pytest.raises(ValueError, match=r"exceeds what the KV cache holds \(12 blocks of 8\): 96 tokens"):
+        make_engine(tiny, block_size=8, num_blocks=13, max_model_len=100)
+    with pytest.raises(ValueError, match="exceeds max_num_batched_tokens, as chunked prefill is off: 64"):
+        make_engine(tiny, max_model_len=100, max_num_batched_tokens=64, enable_chunked_prefill=False)
+    assert make_engine(tiny, max_num_batched_tokens=64, enable_chunked_prefill=False).resolved.max_model_len == 64
+
+
+# Where a step fails: (object, method) -> what the fault does in its place.
+FAULTS = {
+    "scheduling": (lambda engine: engine.scheduler, "schedule", fail_on_host),
+    "host": (lambda engine: engine.runner, "execute", fail_on_host),
+    "xla": (lambda engine: engine.runner, "execute", lambda runner, *args: fail_in_xla(runner.kv_cache)),
+}
+
+
+@pytest.mark.parametrize("where", sorted(FAULTS))
+def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_goes_on(tiny, prompts, monkeypatch, caplog,
+                                                                               where):
+    reference = generate(make_engine(tiny, block_size=8, num_blocks=256), prompts[:4])
+    engine = make_engine(tiny, block_size=8, num_blocks=256, max_num_seqs=2)
+    generate(engine, [prompts[1]])  # caches the prefix that prompts[3] shares
+    a, b, c = (engine.add_request(p, GREEDY) for p in (prompts[0], prompts[2], prompts[3]))  # c waits
+    engine.step()
+    engine.step()
+    owner, name, fault = FAULTS[where]
+    target = owner(engine)
+    original = getattr(target, name)
+
+    def fail_once(*args):
+        monkeypatch.setattr(target, name, original)
+        fault(engine.runner, *args)
+
+    monkeypatch.setattr(target, name, fail_once)
+    failed = engine.step()
+    assert [o.request_id for o in failed] == [a, b]
+    for output in failed:
+        assert output.finished and "injected fault" in output.error
+        assert [c.finish_reason for c in output.outputs] == ["error"] and len(output.outputs[0].token_ids) == 2
+    assert "an engine step failed" in caplog.text
+    # A fault inside XLA took the donated KV cache, and the prefix cache's blocks with it.
+    assert (len(engine.blocks.cache) == 0) == (where == "xla")
+    d = engine.add_request(prompts[1], GREEDY)
+    assert {i: o.outputs[0].token_ids for i, o in finish_all(engine).items()} == {c: reference[3], d: reference[1]}
+    assert_all_free(engine)
+
+
+def test_a_fault_that_takes_the_kv_cache_sends_the_running_requests_outside_the_step_back_to_compute(
+        tiny, prompts, monkeypatch):
+    reference = generate(make_engine(tiny, block_size=8, num_blocks=256), [prompts[0]])[0]
+    # Two tokens a step: step 1 computes the first token of each prompt; step 2 forks `forking` into
+    # four samples ahead of `bystander`, and only two of them fit.
+    engine = make_engine(tiny, block_size=8, num_blocks=256, max_num_batched_tokens=2)
+    forking = engine.add_request(prompts[1][:2], SamplingParams(n=4, seed=0, max_tokens=4, ignore_eos=True))
+    bystander = engine.add_request(prompts[0], GREEDY)
+    engine.step()
+    monkeypatch.setattr(engine.runner, "execute", lambda *args: fail_in_xla(engine.runner.kv_cache))
+    failed = engine.step()
+    monkeypatch.undo()
+    assert [o.request_id for o in failed] == [forking]
+    assert [s.request_id for s in engine.scheduler.waiting] == [bystander]  # its first token's KV is gone
+    assert {i: o.outputs[0].token_ids for i, o in finish_all(engine).items()} == {bystander: reference}
     assert_all_free(engine)
 
 
