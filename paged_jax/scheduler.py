@@ -12,7 +12,7 @@ Preempted sequences return to the head of the queue. By recompute they are prefi
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
 back into fresh blocks.
 
-The engine's context length fits the whole pool (engine.resolve), so a sequence alone always fits, and
+The engine's context length fits the whole pool (config.resolve), so a sequence alone always fits, and
 every waiting sequence has a token to compute; the one step that could then schedule nothing while
 some sequence waits is when all that runs are beams awaiting their siblings' proposals, and there
 the newest of them makes way. So every request finishes, whatever the pool.

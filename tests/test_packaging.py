@@ -34,12 +34,12 @@ def test_non_editable_install_runs_the_cpu_kernel(wheel, tmp_path):
 import kernels_pallas
 from models import ModelConfig
 from paged_jax import EngineConfig
-from paged_jax.engine import resolve
+from paged_jax.config import default_device, resolve
 config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1,
                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
                      max_position_embeddings=64)
 print(kernels_pallas.__file__)
-print(resolve(EngineConfig(num_blocks=8), config).attention)
+print(resolve(EngineConfig(num_blocks=8), config, default_device(), 'float32').attention)
 """
     # Run outside the repository, so that only the installed copy can be imported.
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=os.environ | {"PYTHONPATH": str(site)},
