@@ -121,10 +121,6 @@ class LLMEngine:
             text, token_ids = None, [int(t) for t in prompt]
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if params.n > 1 and not params.use_beam_search and len(token_ids) < 2:
-            # The scheduler computes all but the last prompt token before forking the n samples, so a
-            # one-token prompt would never be scheduled: refuse it rather than wait for ever.
-            raise ValueError(f"n={params.n} samples need a prompt of at least 2 tokens")
         vocab = self.model_config.vocab_size
         if not all(0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
