@@ -11,14 +11,28 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from paged_jax.sampling_params import MAX_LOGPROBS
 
+def one_of(forms: str) -> WrapValidator:
+    """One error naming the forms a union field takes, instead of pydantic's one per member."""
+
+    def validate(value, handler):
+        try:
+            return handler(value)
+        except ValidationError as e:
+            raise PydanticCustomError("invalid_form", "must be {forms}", {"forms": forms}) from e
+
+    return WrapValidator(validate)
+
+
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
+Prompt = Annotated[Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)],
+                   one_of("a non-empty text, a non-empty list of token ids (ints >= 0), or a non-empty list of either")]
 
 
 def random_id(prefix: str) -> str:
@@ -71,7 +85,7 @@ class SamplingRequest(_Request):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, one_of("a string or a list of strings")] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -90,8 +104,7 @@ class SamplingRequest(_Request):
 class CompletionRequest(SamplingRequest):
     UNSUPPORTED: ClassVar = ("logit_bias", "suffix", "prompt_logprobs")
 
-    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)] = Field(
-        description="A text, a list of token ids, or a list of either (one choice set per prompt).")
+    prompt: Prompt = Field(description="A text, a list of token ids, or a list of either (one choice set per prompt).")
     max_tokens: int | None = Field(None, ge=1, description="Default 16 (OpenAI's), within the server's cap.")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
@@ -106,7 +119,8 @@ class TextContentPart(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
+    content: Annotated[str | list[TextContentPart] | None, one_of("a string or a list of text parts "
+                                                                 "({'type': 'text', 'text': ...})")] = None
     name: str | None = None
 
 

@@ -49,7 +49,7 @@ def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "paged_jax.serve", "--model", str(tiny_chat_folder), "--port", str(port),
-         "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--shutdown-timeout", "8",
+         "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--shutdown-timeout", "6",
          "--disable-uvicorn-access-log", "--log-level", "warning"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

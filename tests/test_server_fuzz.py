@@ -14,14 +14,14 @@ from conftest import running_server
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.server import ServerConfig, build_app
 
-EXAMPLES_PER_OPERATION = 30
+EXAMPLES_PER_OPERATION = 20
 
 
 @pytest.fixture(scope="module")
 def api_schema(tiny_chat_model):
     engine = LLMEngine(tiny_chat_model.model, tiny_chat_model.config, tiny_chat_model.tokenizer,
                        EngineConfig(block_size=16, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=256))
-    config = ServerConfig(served_model_name="tiny", max_tokens_cap=4, request_timeout=20)
+    config = ServerConfig(served_model_name="tiny", max_tokens_cap=2, request_timeout=20)
     with running_server(build_app(engine, config)) as url:
         schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
         schema.config.generation.update(modes=list(GenerationMode))
