@@ -439,8 +439,8 @@ async def _ending(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
-    """Each stream's finished output. A timeout or an engine failure is an APIError; the streams are
-    closed whatever happens (so a cancelled caller aborts its requests)."""
+    """Each stream's finished output. An engine failure (raised, or finish_reason "error") or a timeout
+    is an APIError; the streams are closed whatever happens (so a cancelled caller aborts its requests)."""
 
     async def last(stream: RequestStream) -> RequestOutput:
         out = None
@@ -455,6 +455,8 @@ async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
     finally:
         for stream in streams:
             stream.close()
+    if any(c.finish_reason == "error" for f in finals for c in f.outputs):
+        raise APIError(500, "the engine failed while running this request", type="server_error", code="engine_error")
     timed_out = [f for f in finals if any(c.finish_reason == "timeout" for c in f.outputs)]
     if timed_out:
         elapsed = timed_out[0].metrics.finish_time - timed_out[0].metrics.arrival_time

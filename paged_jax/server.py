@@ -108,11 +108,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=protected, responses=errors)
     async def tokenize(body: TokenizeRequest, request: Request):
-        return request.app.state.serving.tokenize(body)
+        return await _answer(request, _now(request.app.state.serving.tokenize, body))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=protected, responses=errors)
     async def detokenize(body: DetokenizeRequest, request: Request):
-        return request.app.state.serving.detokenize(body)
+        return await _answer(request, _now(request.app.state.serving.detokenize, body))
 
     @app.get("/v1/models", response_model=ModelList, dependencies=protected, responses=errors)
     async def list_models():
@@ -162,9 +162,14 @@ class EventStreamResponse(StreamingResponse):
             self._stream.close()
 
 
+async def _now(fn, *args):
+    return fn(*args)
+
+
 async def _answer(request: Request, work: Awaitable):
-    """Run a completion; if the client disconnects before it is done, cancel it, which aborts its
-    engine requests at once rather than when they finish."""
+    """Run a request's work. If the client disconnects first, cancel it, which aborts its engine
+    requests at once rather than when they finish. An unexpected failure is this request's 500 alone
+    (answered here: past the app's own handlers, Starlette would close the connection instead)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -177,7 +182,13 @@ async def _answer(request: Request, work: Awaitable):
         with contextlib.suppress(asyncio.CancelledError):
             await task
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    result = task.result()
+    try:
+        result = task.result()
+    except _HANDLED:
+        raise
+    except Exception as e:
+        log.exception("%s %s failed", request.method, request.url.path)
+        raise APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error") from e
     if isinstance(result, EventStream):
         return EventStreamResponse(result)
     return JSONResponse(result.model_dump(mode="json"))
@@ -187,6 +198,9 @@ async def _disconnected(request: Request) -> None:
     # The body has been read by now, so the next message is the disconnect, whenever it comes.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+_HANDLED = (APIError, RequestValidationError, QueueFullError, EngineDeadError, StarletteHTTPException)
 
 
 def _add_error_handlers(app: FastAPI, metrics: PrometheusMetrics) -> None:

@@ -24,11 +24,16 @@ ENGINE = dict(block_size=16, num_blocks=256, max_num_seqs=16, max_num_batched_to
 
 
 @pytest.fixture(scope="module")
-def base(tiny_chat_model):
+def app(tiny_chat_model):
     engine = LLMEngine(tiny_chat_model.model, tiny_chat_model.config, tiny_chat_model.tokenizer, EngineConfig(**ENGINE))
     config = ServerConfig(served_model_name=MODEL, api_key=KEY, request_timeout=300, max_tokens_cap=480,
                           max_request_bytes=MAX_BYTES)
-    with running_server(build_app(engine, config)) as url:
+    return build_app(engine, config)
+
+
+@pytest.fixture(scope="module")
+def base(app):
+    with running_server(app) as url:
         yield url
 
 
@@ -181,6 +186,20 @@ def test_api_key(base):
         assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
     assert httpx.get(f"{base}/health").status_code == httpx.get(f"{base}/metrics").status_code == 200
     assert metrics(base)['paged_jax:request_rejected_total{cause="unauthorized"}'] >= 6
+
+
+def test_a_request_whose_output_handling_fails_fails_alone(app, base, client, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(app.state.serving, "_chat_logprobs", broken)
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True)
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    chunks = client.post("/v1/chat/completions", json=body | {"stream": True}).text
+    assert '"type":"server_error"' in chunks and chunks.endswith("data: [DONE]\n\n")
+    assert complete(client, prompt="hi", max_tokens=3)["choices"][0]["finish_reason"] == "length"
+    wait_for_idle(base, timeout=10)
 
 
 def test_timeouts_end_requests_and_free_their_blocks(base, client):
