@@ -184,8 +184,12 @@ def test_api_key(base):
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
+        # Checked before the body is read: a bad body without the key is still a 401.
+        assert httpx.post(f"{base}/v1/completions", content=b"{", headers=headers).status_code == 401
     assert httpx.get(f"{base}/health").status_code == httpx.get(f"{base}/metrics").status_code == 200
-    assert metrics(base)['paged_jax:request_rejected_total{cause="unauthorized"}'] >= 6
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert metrics(base)['paged_jax:request_rejected_total{cause="unauthorized"}'] >= 9
+    assert "HTTPBearer" in httpx.get(f"{base}/openapi.json").json()["components"]["securitySchemes"]
 
 
 def test_a_request_whose_output_handling_fails_fails_alone(app, base, client, monkeypatch):
