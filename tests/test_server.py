@@ -3,7 +3,6 @@ OpenAI's error body and a message), the API key, streams that match the unstream
 disconnects that give their KV blocks back, and a bounded load of 64 streaming clients."""
 
 import asyncio
-import json
 import random
 import time
 
