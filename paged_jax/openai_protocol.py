@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from paged_jax.sampling_params import MAX_LOGPROBS
 
+
 def one_of(forms: str) -> WrapValidator:
     """One error naming the forms a union field takes, instead of pydantic's one per member."""
 
@@ -31,8 +32,9 @@ def one_of(forms: str) -> WrapValidator:
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
-Prompt = Annotated[Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)],
-                   one_of("a non-empty text, a non-empty list of token ids (ints >= 0), or a non-empty list of either")]
+Prompt = Annotated[
+    Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)],
+    one_of("a non-empty text, a non-empty list of token ids (ints >= 0), or a non-empty list of either")]
 
 
 def random_id(prefix: str) -> str:

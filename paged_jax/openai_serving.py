@@ -42,9 +42,11 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.cause, self.headers = cause, headers or {}
 
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
     def body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
+        return self.response().model_dump()
 
 
 def bad_request(message: str, param: str | None = None, *, cause: str = "bad_params",
@@ -52,13 +54,9 @@ def bad_request(message: str, param: str | None = None, *, cause: str = "bad_par
     return APIError(400, message, param=param, code=code, cause=cause)
 
 
-def sse(payload: BaseModel | dict | str) -> str:
+def sse(payload: BaseModel) -> str:
     """One server-sent event."""
-    if isinstance(payload, BaseModel):
-        payload = payload.model_dump_json()
-    elif isinstance(payload, dict):
-        payload = ErrorResponse.model_validate(payload).model_dump_json()
-    return f"data: {payload}\n\n"
+    return f"data: {payload.model_dump_json()}\n\n"
 
 
 def sendable(text: str, sent: int, finished: bool, stop: Sequence[str]) -> int:
@@ -248,8 +246,6 @@ class OpenAIServing:
             yield chunk([], _usage([prompt], [final]))
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, **options) -> list[int]:
-        if not messages:
-            raise bad_request("messages is empty", "messages")
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
         conversation = [{"role": m.role, "content": _content_text(m.content)} for m in messages]
@@ -431,16 +427,16 @@ async def _ending(events: AsyncIterator[str]) -> AsyncIterator[str]:
             async for event in events:
                 yield event
     except EngineStepError as e:
-        yield sse(_engine_error(e).body())
+        yield sse(_engine_error(e).response())
     except Exception as e:
         log.exception("a streamed response failed")
-        yield sse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body())
+        yield sse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").response())
     yield "data: [DONE]\n\n"
 
 
 async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
-    """Each stream's finished output. A timeout or an engine failure is an APIError; the streams are
-    closed whatever happens (so a cancelled caller aborts its requests)."""
+    """Each stream's finished output. An engine failure (raised, or finish_reason "error") or a timeout
+    is an APIError; the streams are closed whatever happens (so a cancelled caller aborts its requests)."""
 
     async def last(stream: RequestStream) -> RequestOutput:
         out = None
@@ -455,6 +451,8 @@ async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
     finally:
         for stream in streams:
             stream.close()
+    if any(c.finish_reason == "error" for f in finals for c in f.outputs):
+        raise APIError(500, "the engine failed while running this request", type="server_error", code="engine_error")
     timed_out = [f for f in finals if any(c.finish_reason == "timeout" for c in f.outputs)]
     if timed_out:
         elapsed = timed_out[0].metrics.finish_time - timed_out[0].metrics.arrival_time

@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             literal = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
             engine.add_argument(flag, dest=field.name, default=field.default, choices=_CHOICES.get(field.name, literal),
                                 type=int if field.default is None else type(field.default),
-                                help=_HELP[field.name] + " (default: %(default)s)")
+                                metavar=flag[2:].upper().replace("-", "_") if field.name in _FLAG_NAMES else None,
+                                help=_HELP[field.name] + ("" if field.default is None else " (default: %(default)s)"))
     args = p.parse_args(argv)
     try:
         args.engine_config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

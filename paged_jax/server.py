@@ -15,10 +15,10 @@ import importlib.metadata
 import logging
 from collections.abc import Awaitable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -84,11 +84,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="paged-jax", version=VERSION, lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions over the paged-jax engine.")
-    app.state.config = config
-    app.state.metrics = metrics
     app.add_middleware(_BodyLimit, max_bytes=config.max_request_bytes, on_reject=lambda: metrics.reject("body_too_large"))
+    protected = []
+    if config.api_key:
+        # Checked first, before a body is read; the dependency only documents the scheme in /openapi.json.
+        app.add_middleware(_ApiKey, key=config.api_key, on_reject=lambda: metrics.reject("unauthorized"))
+        protected = [Security(HTTPBearer(auto_error=False, description="the server's --api-key"))]
     _add_error_handlers(app, metrics)
-    protected = [Depends(_check_api_key)] if config.api_key else []
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429, 500, 503)}
     # OpenAPI 3.1 has a text/event-stream schema describe one event.
     streamed = {"text/event-stream": {"schema": {
@@ -108,11 +110,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=protected, responses=errors)
     async def tokenize(body: TokenizeRequest, request: Request):
-        return request.app.state.serving.tokenize(body)
+        return await _answer(request, _now(request.app.state.serving.tokenize, body))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=protected, responses=errors)
     async def detokenize(body: DetokenizeRequest, request: Request):
-        return request.app.state.serving.detokenize(body)
+        return await _answer(request, _now(request.app.state.serving.detokenize, body))
 
     @app.get("/v1/models", response_model=ModelList, dependencies=protected, responses=errors)
     async def list_models():
@@ -137,16 +139,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
-_bearer = HTTPBearer(auto_error=False, description="the server's --api-key")
-
-
-async def _check_api_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)):
-    key = request.app.state.config.api_key
-    if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key.encode()):
-        raise APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
-                       code="invalid_api_key", cause="unauthorized")
-
-
 class EventStreamResponse(StreamingResponse):
     """Server-sent events whose requests are ended however the response ends: finished, failed, or
     cancelled because the client left (even before the first event, when the events never start)."""
@@ -162,9 +154,14 @@ class EventStreamResponse(StreamingResponse):
             self._stream.close()
 
 
+async def _now(fn, *args):
+    return fn(*args)
+
+
 async def _answer(request: Request, work: Awaitable):
-    """Run a completion; if the client disconnects before it is done, cancel it, which aborts its
-    engine requests at once rather than when they finish."""
+    """Run a request's work. If the client disconnects first, cancel it, which aborts its engine
+    requests at once rather than when they finish. An unexpected failure is this request's 500 alone
+    (answered here: past the app's own handlers, Starlette would close the connection instead)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -177,7 +174,13 @@ async def _answer(request: Request, work: Awaitable):
         with contextlib.suppress(asyncio.CancelledError):
             await task
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    result = task.result()
+    try:
+        result = task.result()
+    except _HANDLED:
+        raise
+    except Exception as e:
+        log.exception("%s %s failed", request.method, request.url.path)
+        raise APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error") from e
     if isinstance(result, EventStream):
         return EventStreamResponse(result)
     return JSONResponse(result.model_dump(mode="json"))
@@ -187,6 +190,9 @@ async def _disconnected(request: Request) -> None:
     # The body has been read by now, so the next message is the disconnect, whenever it comes.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+_HANDLED = (APIError, RequestValidationError, QueueFullError, EngineDeadError, StarletteHTTPException)
 
 
 def _add_error_handlers(app: FastAPI, metrics: PrometheusMetrics) -> None:
@@ -241,6 +247,26 @@ def _validation_error(error: RequestValidationError) -> APIError:
                                           for e in error.errors()) else "invalid_value"
     return APIError(400, "; ".join(problems) or "invalid request", param=params[0] if params else None, code=code,
                     cause="bad_params")
+
+
+class _ApiKey:
+    """Refuses requests without `Authorization: Bearer <key>` with 401, except on the open paths."""
+
+    OPEN = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+    def __init__(self, app, key: str, on_reject):
+        self.app, self.key, self.on_reject = app, key.encode(), on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        self.on_reject()
+        error = APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
+                         code="invalid_api_key")
+        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
 
 
 class _BodyLimit:

@@ -92,7 +92,8 @@ def summarize(results: list[dict], duration: float, rate: float) -> dict:
     output_tokens = sum(r["output_tokens"] for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] for r in ok)
     return {
-        "request_rate": rate if rate != float("inf") else "inf", "successful_requests": len(ok), "failed_requests": len(results) - len(ok),
+        "request_rate": rate if rate != float("inf") else "inf",
+        "successful_requests": len(ok), "failed_requests": len(results) - len(ok),
         "duration_s": round(duration, 2), "total_input_tokens": prompt_tokens, "total_output_tokens": output_tokens,
         "request_throughput": round(len(ok) / duration, 3),
         "output_throughput": round(output_tokens / duration, 1),

@@ -107,7 +107,8 @@ def test_timeout_ends_the_request_and_frees_its_blocks(engine, recorder):
 def test_queue_cap_refuses_and_keeps_what_it_accepted(engine):
     async def run():
         # max_num_seqs run, QUEUE_CAP wait; one more is refused.
-        streams = await asyncio.gather(*(engine.add_request([20 + i] * 8, LONG) for i in range(OPTIONS["max_num_seqs"] + QUEUE_CAP)))
+        accepted = OPTIONS["max_num_seqs"] + QUEUE_CAP
+        streams = await asyncio.gather(*(engine.add_request([20 + i] * 8, LONG) for i in range(accepted)))
         await wait_until(lambda: engine.scheduler_stats.num_waiting == QUEUE_CAP)
         with pytest.raises(QueueFullError) as refused:
             await engine.add_request([1, 2, 3], LONG)

@@ -3,7 +3,6 @@ OpenAI's error body and a message), the API key, streams that match the unstream
 disconnects that give their KV blocks back, and a bounded load of 64 streaming clients."""
 
 import asyncio
-import json
 import random
 import time
 
@@ -24,11 +23,16 @@ ENGINE = dict(block_size=16, num_blocks=256, max_num_seqs=16, max_num_batched_to
 
 
 @pytest.fixture(scope="module")
-def base(tiny_chat_model):
+def app(tiny_chat_model):
     engine = LLMEngine(tiny_chat_model.model, tiny_chat_model.config, tiny_chat_model.tokenizer, EngineConfig(**ENGINE))
     config = ServerConfig(served_model_name=MODEL, api_key=KEY, request_timeout=300, max_tokens_cap=480,
                           max_request_bytes=MAX_BYTES)
-    with running_server(build_app(engine, config)) as url:
+    return build_app(engine, config)
+
+
+@pytest.fixture(scope="module")
+def base(app):
+    with running_server(app) as url:
         yield url
 
 
@@ -110,9 +114,11 @@ def test_n_samples_and_several_prompts(client):
 def test_echo_and_logprobs(client):
     r = complete(client, prompt="Hello", echo=True, max_tokens=3, temperature=0)
     assert r["choices"][0]["text"].startswith("Hello")
-    lp = complete(client, prompt="Hello", logprobs=2, max_tokens=4, temperature=0, ignore_eos=True)["choices"][0]["logprobs"]
+    r = complete(client, prompt="Hello", logprobs=2, max_tokens=4, temperature=0, ignore_eos=True)
+    lp = r["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
-    assert all(len(top) <= 2 and max(top.values()) >= chosen for top, chosen in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    for top, chosen in zip(lp["top_logprobs"], lp["token_logprobs"]):
+        assert len(top) <= 2 and max(top.values()) >= chosen
     assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(4)]
 
 
@@ -179,8 +185,26 @@ def test_api_key(base):
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
+        # Checked before the body is read: a bad body without the key is still a 401.
+        assert httpx.post(f"{base}/v1/completions", content=b"{", headers=headers).status_code == 401
     assert httpx.get(f"{base}/health").status_code == httpx.get(f"{base}/metrics").status_code == 200
-    assert metrics(base)['paged_jax:request_rejected_total{cause="unauthorized"}'] >= 6
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert metrics(base)['paged_jax:request_rejected_total{cause="unauthorized"}'] >= 9
+    assert "HTTPBearer" in httpx.get(f"{base}/openapi.json").json()["components"]["securitySchemes"]
+
+
+def test_a_request_whose_output_handling_fails_fails_alone(app, base, client, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(app.state.serving, "_chat_logprobs", broken)
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True)
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    chunks = client.post("/v1/chat/completions", json=body | {"stream": True}).text
+    assert '"type":"server_error"' in chunks and chunks.endswith("data: [DONE]\n\n")
+    assert complete(client, prompt="hi", max_tokens=3)["choices"][0]["finish_reason"] == "length"
+    wait_for_idle(base, timeout=10)
 
 
 def test_timeouts_end_requests_and_free_their_blocks(base, client):
@@ -252,7 +276,8 @@ def test_load_of_64_streaming_clients_a_quarter_leaving(base):
     assert latency < 2.0
     assert sum(r is not None for r in results) == 48
     after = wait_for_idle(base)
-    assert after['paged_jax:num_kv_cache_blocks{state="free"}'] + after['paged_jax:num_kv_cache_blocks{state="cached"}'] == 255
+    blocks = lambda state: after[f'paged_jax:num_kv_cache_blocks{{state="{state}"}}']
+    assert blocks("free") + blocks("cached") == 255 and blocks("used") == 0
     reasons = {r: after[f'paged_jax:request_success_total{{finished_reason="{r}"}}']
                - before[f'paged_jax:request_success_total{{finished_reason="{r}"}}'] for r in FINISH_REASONS}
     assert reasons == dict.fromkeys(FINISH_REASONS, 0) | {"abort": len(leavers), "length": 48}
