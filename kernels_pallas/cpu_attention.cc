@@ -14,17 +14,35 @@
 #include <latch>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kTileQ = 16;
-constexpr int kTransposeRows = 8;  // rows from which transposing a K block pays for itself  // new tokens per work item: bounds a tile's accumulators to L1 size
+constexpr int kTileQ = 16;  // new tokens per work item: bounds a tile's accumulators to L1 size
+constexpr int kTransposeRows = 8;  // rows from which transposing a K block pays for itself
 // Below any real score, and finite: the kernel is built with -ffast-math (vectorised exp), which
 // assumes no infinities. exp(kNoScore - m) is 0.
 constexpr float kNoScore = -1e30f;
+
+// exp of a score far below the running max is subnormal, and subnormal arithmetic is slow on x86:
+// flush such values to zero while this thread works for the kernel, then restore the caller's mode
+// (never process-wide, which is what linking with -ffast-math would do).
+class FlushDenormals {
+ public:
+#if defined(__SSE2__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
 
 struct Shapes {
   int64_t num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, num_seqs, max_blocks;
@@ -148,6 +166,7 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
   });
   std::atomic<size_t> next{0};
   auto work = [&] {
+    FlushDenormals flush;
     for (size_t i; (i = next.fetch_add(1)) < items.size();) {
       const WorkItem& w = items[i];
       AttendTile(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), block_tables.typed_data(),

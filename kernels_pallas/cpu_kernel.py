@@ -24,8 +24,11 @@ _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGET = "paged_jax_paged_attention_cpu_f32"
 _UNWRITTEN = "paged_jax_unwritten_buffer"
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's libmvec); the kernel keeps
-# to finite numbers and never reads an unwritten slot, so its assumptions hold.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC"]
+# to finite numbers and never reads an unwritten slot, so its assumptions hold. It is given to the
+# compile step only: linked with it, GCC adds crtfastmath.o, which on loading sets flush-to-zero for
+# the whole process and so changes every other library's arithmetic on subnormal numbers.
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fPIC"]
+_LINK_FLAGS = ["-shared"]
 
 
 def _cache_dir() -> Path:
@@ -43,7 +46,8 @@ def _cpu_name() -> str:
 
 
 def _build() -> Path:
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_name().encode()).hexdigest()[:16]
+    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
+    key = hashlib.sha256(_SOURCE.read_bytes() + flags.encode() + _cpu_name().encode()).hexdigest()[:16]
     library = _cache_dir() / f"cpu_attention-{key}.so"
     if not library.exists():
         compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -51,8 +55,13 @@ def _build() -> Path:
             raise RuntimeError("no C++ compiler found (set CXX)")
         library.parent.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([compiler, *_FLAGS, "-w", f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(partial)],
-                       check=True, capture_output=True, text=True)
+        obj = library.with_suffix(f".{os.getpid()}.o")
+        try:
+            for command in ([*_COMPILE_FLAGS, "-w", f"-I{jax.ffi.include_dir()}", "-c", str(_SOURCE), "-o", str(obj)],
+                            [*_LINK_FLAGS, str(obj), "-o", str(partial)]):
+                subprocess.run([compiler, *command], check=True, capture_output=True, text=True)
+        finally:
+            obj.unlink(missing_ok=True)
         partial.replace(library)  # atomic, so a concurrent process never loads half a file
     return library
 

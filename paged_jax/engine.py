@@ -90,8 +90,12 @@ class LLMEngine:
         self.num_batched_tokens = 0
 
     @classmethod
-    def from_pretrained(cls, model: str = "smollm2-135m", **options) -> "LLMEngine":
-        config = EngineConfig(**options)
+    def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
+                        **options) -> "LLMEngine":
+        """Load `model` and build an engine from `config` or, without one, from EngineConfig's fields as keywords."""
+        if config is not None and options:
+            raise TypeError("give either an EngineConfig or its fields as keywords, not both")
+        config = config or EngineConfig(**options)
         dtype = default_dtype(default_device().platform) if config.dtype == "auto" else config.dtype
         loaded = models.load_model(model, dtype=jnp.dtype(dtype))
         return cls(loaded.model, loaded.config, loaded.tokenizer, config)

@@ -33,6 +33,7 @@ _HELP = {
     "block_size": "tokens per KV-cache block",
     "num_blocks": "KV-cache blocks (overrides --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "memory for the KV cache",
+    "gpu_memory_utilization": "share of GPU memory for weights and KV cache",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "most tokens in one step",
     "max_model_len": "context length (default: the model's)",
@@ -88,8 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded = models.load_model(args.model, dtype=args.engine_config.dtype)
-    engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, args.engine_config)
+    engine = LLMEngine.from_pretrained(args.model, args.engine_config)
     server = uvicorn.Server(uvicorn.Config(
         build_app(engine, args.server_config), host=args.host, port=args.port, log_level=args.log_level,
         access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout))

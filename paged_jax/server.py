@@ -66,9 +66,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         registry, config.served_model_name, max_model_len=engine.resolved.max_model_len,
         cache_config={"block_size": str(engine.config.block_size), "num_gpu_blocks": str(engine.resolved.num_blocks - 1),
                       "enable_prefix_caching": str(engine.config.enable_prefix_caching),
-                      "cache_dtype": engine.config.dtype},
-        # The backend the engine settled on, where it says; else the one it was asked for.
-        attention_backend=str(getattr(engine, "attention_backend", None) or engine.config.attention_backend))
+                      "cache_dtype": engine.resolved.dtype},
+        attention_backend=engine.resolved.attention_backend)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

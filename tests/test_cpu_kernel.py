@@ -1,6 +1,9 @@
 """The C++ CPU kernel (kernels_pallas/cpu_attention.cc through cpu_kernel.py) against the jnp reference,
 on the same NaN-poisoned, permuted, ragged cases as the XLA path, and the seam's choice of it."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,3 +102,11 @@ def test_unwritten_pages_take_no_memory_until_written():
     assert _resident_bytes() - before < 64 << 20
     pages = jax.jit(lambda p: p.at[3].set(1.0), donate_argnums=0)(pages)  # updated in place, like the KV cache
     assert float(pages[3].sum()) == 16 * 8 * 64
+
+
+def test_loading_the_kernel_leaves_subnormal_arithmetic_alone():
+    # Linked with -ffast-math, a shared library sets flush-to-zero for the whole process when loaded.
+    check = ("import numpy as np; from kernels_pallas import cpu_kernel; assert cpu_kernel.available(); "
+             "tiny = np.finfo(np.float32).smallest_subnormal; print(float(tiny * np.float32(1.0)) > 0)")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
