@@ -119,9 +119,9 @@ def main(argv=None) -> dict:
         "output_tokens": produced,
         "output_tokens_per_s": round(produced / elapsed, 1),
         "total_tokens_per_s": round((produced + prompt_tokens) / elapsed, 1),
-        "model_tflop": round(flops / 1e12, 2),
+        "model_tflop": float(f"{flops / 1e12:.3g}"),  # significant digits: a tiny model's is far below 0.01
         "matmul_peak_gflops": round(peak, 1),
-        "mfu": round(flops / elapsed / (peak * 1e9), 3),
+        "mfu": float(f"{flops / elapsed / (peak * 1e9):.3g}"),
         "peak_kv_blocks": engine.peak_blocks_in_use,
         "kv_slot_fill_at_peak": round(engine.peak_slot_fill, 3),
         "preemptions": engine.scheduler.num_preemptions - preempt_before,
