@@ -131,6 +131,7 @@ def plot(attention_rows, w1_rows, path):
                 ax.plot([r["block_size"] for r in rows], [r["median_ms"] for r in rows], style,
                         label=f"{backend}, {kv_layout}")
         ax.set(title=step, xlabel="block size (tokens)", ylabel="ms per layer (median)", xscale="log")
+        ax.minorticks_off()
         ax.set_xticks([r["block_size"] for r in attention_rows], [str(r["block_size"]) for r in attention_rows])
         ax.legend(fontsize=8)
     if w1_rows:
