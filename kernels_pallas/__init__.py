@@ -11,7 +11,8 @@ checking the kernel, alone or inside the engine, on a machine without a GPU).
 # the module and `kernels_pallas.paged_attention(...)` would stop being callable.
 from kernels_pallas import paged_attention as _pallas_kernel
 from kernels_pallas import cpu_kernel
-from kernels_pallas.layout import KVCache, bytes_per_block, gather_kv, init_kv_cache, page_shape, write_kv
+from kernels_pallas.layout import (LAYOUTS, TOKEN_MAJOR, KVCache, bytes_per_block, gather_kv, init_kv_cache, page_shape,
+                                   write_kv)
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.xla_cpu import paged_attention_xla
@@ -73,8 +74,11 @@ def paged_attention(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    layout: str = TOKEN_MAJOR,
 ) -> jax.Array:
-    """q: [num_tokens, num_heads, head_dim]; pages: [num_blocks, block_size, num_kv_heads, head_dim].
+    """q: [num_tokens, num_heads, head_dim]; pages in `layout` (layout.LAYOUTS): token-major
+    [num_blocks, block_size, num_kv_heads, head_dim] or head-major [num_blocks, num_kv_heads,
+    block_size, head_dim]. Every backend reads either.
 
     Attention runs in the pages' dtype: every backend takes q in it, so q is cast (a model whose
     weights are float32 may keep a bfloat16 cache).
@@ -86,14 +90,13 @@ def paged_attention(
         backend = default_backend(k_pages.dtype)
     args = (q.astype(k_pages.dtype), k_pages, v_pages, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc)
+    options = dict(max_query_len=metadata.max_query_len, scale=scale, layout=layout)
     if backend in ("pallas", "pallas_interpret"):
-        out = _pallas_kernel.paged_attention(
-            *args, max_query_len=metadata.max_query_len, scale=scale, interpret=backend == "pallas_interpret"
-        )
+        out = _pallas_kernel.paged_attention(*args, **options, interpret=backend == "pallas_interpret")
     elif backend == "cpu":
-        out = cpu_kernel.paged_attention_cpu(*args, max_query_len=metadata.max_query_len, scale=scale)
+        out = cpu_kernel.paged_attention_cpu(*args, **options)
     else:
-        out = paged_attention_xla(*args, max_query_len=metadata.max_query_len, scale=scale)
+        out = paged_attention_xla(*args, **options)
     return out.astype(q.dtype)
 
 
@@ -102,6 +105,7 @@ __all__ = [
     "BACKENDS",
     "BackendChoice",
     "KVCache",
+    "LAYOUTS",
     "allocate_pages",
     "bytes_per_block",
     "choose_backend",

@@ -5,6 +5,11 @@
 // tile of query rows (the query heads of one KV head, for up to kTileQ new tokens) meets one K/V
 // block at a time, with an online softmax, so K/V are read once per tile and never copied.
 // Work items (sequence, KV head, query tile) are shared out over XLA's intra-op thread pool.
+//
+// The page layout (kernels_pallas/layout.py) reaches the kernel as two strides, in elements: between
+// consecutive slots of a page and between consecutive KV heads. Token-major pages have slot stride
+// num_kv_heads * head_dim and head stride head_dim; head-major pages the reverse order, head_dim and
+// block_size * head_dim, so a (block, KV head) tile is contiguous. Every read is a row of head_dim.
 
 #include <algorithm>
 #include <atomic>
@@ -46,6 +51,7 @@ class FlushDenormals {
 
 struct Shapes {
   int64_t num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, num_seqs, max_blocks;
+  int64_t slot_stride, head_stride;  // elements between a page's consecutive slots / KV heads
 };
 
 struct WorkItem {
@@ -58,7 +64,8 @@ void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const fl
                 float scale, float* out) {
   const int64_t D = sh.head_dim, G = sh.num_heads / sh.num_kv_heads, BS = sh.block_size;
   const int64_t rows = (w.last - w.first) * G;
-  const int64_t kv_stride = sh.num_kv_heads * D;  // between consecutive tokens of a page
+  const int64_t slot_stride = sh.slot_stride;
+  const int64_t block_stride = BS * sh.num_kv_heads * D;
   std::vector<float> acc(rows * D, 0.0f), m(rows, kNoScore), l(rows, 0.0f), s(BS);
   std::vector<float> qrows(rows * D), kt(D * BS, 0.0f);
   std::vector<int> limit(rows);  // last position each row may see (causal)
@@ -73,7 +80,7 @@ void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const fl
   const int last_pos = seq_len - q_len + w.last - 1;
   const int32_t* table = block_tables + w.seq * sh.max_blocks;
   for (int b = 0; b * BS <= last_pos; ++b) {
-    const int64_t base = (int64_t)table[b] * BS * kv_stride + w.kv_head * D;
+    const int64_t base = (int64_t)table[b] * block_stride + w.kv_head * sh.head_stride;
     const float* kb = k_pages + base;
     const float* vb = v_pages + base;
     const int valid = (int)std::min<int64_t>(BS, last_pos + 1 - b * BS);
@@ -83,7 +90,7 @@ void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const fl
     const bool transposed = rows >= kTransposeRows;
     if (transposed)
       for (int t = 0; t < valid; ++t)
-        for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = kb[t * kv_stride + d];
+        for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = kb[t * slot_stride + d];
     for (int64_t r = 0; r < rows; ++r) {
       // Causality masks a suffix of the block: the row sees positions [0, n) of it.
       const int n = std::min(valid, limit[r] - b * (int)BS + 1);
@@ -98,7 +105,7 @@ void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const fl
         }
       } else {
         for (int t = 0; t < n; ++t) {
-          const float* kt_row = kb + t * kv_stride;
+          const float* kt_row = kb + t * slot_stride;
           float dot = 0.0f;
           for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt_row[d];
           s[t] = dot;
@@ -117,7 +124,7 @@ void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const fl
       for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
       for (int t = 0; t < n; ++t) {
         const float p = s[t];
-        const float* vt = vb + t * kv_stride;
+        const float* vt = vb + t * slot_stride;
         for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
       }
       l[r] = l[r] * alpha + sum;
@@ -137,9 +144,14 @@ void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const fl
 ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                              ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
                              ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                             float scale, bool single_token_rows_only, ffi::ResultBuffer<ffi::F32> out) {
+                             float scale, bool single_token_rows_only, int64_t block_size, int64_t num_kv_heads,
+                             int64_t slot_stride, int64_t head_stride, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), pd = k_pages.dimensions(), bd = block_tables.dimensions();
-  const Shapes sh{qd[0], qd[1], qd[2], pd[0], pd[1], pd[2], bd[0], bd[1]};
+  const Shapes sh{qd[0], qd[1], qd[2], pd[0], block_size, num_kv_heads, bd[0], bd[1], slot_stride, head_stride};
+  // Strides that could step outside a block must fail here rather than read outside the buffers.
+  if (pd[1] * pd[2] != block_size * num_kv_heads || pd[3] != sh.head_dim || sh.num_heads % num_kv_heads ||
+      (num_kv_heads - 1) * head_stride + (block_size - 1) * slot_stride + sh.head_dim > pd[1] * pd[2] * pd[3])
+    return ffi::Error::InvalidArgument("paged attention: page shape or strides do not match q and the layout");
   std::memset(out->typed_data(), 0, sizeof(float) * sh.num_tokens * sh.num_heads * sh.head_dim);
   const int32_t* lens = seq_lens.typed_data();
   const int32_t* starts = query_start_loc.typed_data();
@@ -194,6 +206,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpuF32, PagedAttentionF32,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<bool>("single_token_rows_only")
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("num_kv_heads")
+                                  .Attr<int64_t>("slot_stride")
+                                  .Attr<int64_t>("head_stride")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // A buffer XLA allocates and nobody writes. The KV cache is made of these: a large allocation is

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from kernels_pallas import xla_cpu
+from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGET = "paged_jax_paged_attention_cpu_f32"
@@ -95,6 +96,15 @@ def unwritten(shape: tuple[int, ...], dtype) -> jax.Array:
     return jax.ffi.ffi_call(_UNWRITTEN, jax.ShapeDtypeStruct(shape, dtype))()
 
 
+def layout_attributes(pages: jax.Array, layout: str) -> dict[str, np.int64]:
+    """What the kernel is told of the pages' layout: their block size and KV heads, and the element
+    strides between a page's slots and between its KV heads."""
+    _, block_size, num_kv_heads, _ = page_dims(pages, layout)
+    slot_stride, head_stride = strides(pages, layout)
+    return dict(block_size=np.int64(block_size), num_kv_heads=np.int64(num_kv_heads),
+                slot_stride=np.int64(slot_stride), head_stride=np.int64(head_stride))
+
+
 def paged_attention_cpu(
     q: jax.Array,
     k_pages: jax.Array,
@@ -105,14 +115,15 @@ def paged_attention_cpu(
     *,
     max_query_len: int,
     scale: float | None = None,
+    layout: str = TOKEN_MAJOR,
 ) -> jax.Array:
     """Same contract as paged_attention_reference, for float32 q and pages.
 
     Rows with one new token (decodes) go through the kernel, which streams their pages once; rows
     with several go through XLA's query tiles (xla_cpu.py), whose dots run near matmul speed.
 
-    q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 [num_blocks, block_size,
-    num_kv_heads, head_dim]; block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32
+    q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 pages in `layout` (layout.py; the
+    kernel is told the layout's strides); block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32
     [num_seqs]; query_start_loc: int32 [num_seqs + 1]. Returns f32 [num_tokens, num_heads, head_dim].
     """
     if not available():
@@ -123,7 +134,8 @@ def paged_attention_cpu(
     args = (q, k_pages, v_pages, block_tables.astype(np.int32), seq_lens.astype(np.int32),
             query_start_loc.astype(np.int32))
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    out = call(*args, scale=np.float32(scale), single_token_rows_only=max_query_len > 1)
+    out = call(*args, scale=np.float32(scale), single_token_rows_only=max_query_len > 1,
+               **layout_attributes(k_pages, layout))
     if max_query_len > 1:
-        out = xla_cpu.attend_multi_token_rows(out, *args, scale=scale)
+        out = xla_cpu.attend_multi_token_rows(out, *args, scale=scale, layout=layout)
     return out

@@ -1,4 +1,4 @@
-"""Paged attention for CUDA GPUs: a Pallas kernel over token-major pages, decode and ragged prefill.
+"""Paged attention for CUDA GPUs: a Pallas kernel over paged K/V, decode and ragged prefill.
 
 Computes exactly what `reference.paged_attention_reference` computes (same signature, same masking
 conventions; see metadata.py): each sequence's new tokens attend causally over its cached prefix plus
@@ -18,6 +18,9 @@ so that the whole group shares each K/V tile it reads (GQA costs no extra K/V tr
 sequence's K/V in tiles of `block_k` tokens, stopping at its last query's causal bound. Every tile,
 query or K/V, is read with a gather index (token -> page through the block table, slot in page, kv
 head, dim), so block_size need not divide block_k or be a power of two, and no reshape is needed.
+`layout.index` orders that index for the pages' layout, so one kernel body serves both layouts: a
+token-major tile is block_size rows of head_dim at a stride of num_kv_heads * head_dim, a head-major
+tile is block_size * head_dim contiguous values (as JAX's own kernel reads its pages).
 
 NaN-safety: K/V slots past seq_len are loaded masked, as 0, and masked scores are replaced (never
 multiplied) by a mask value; padded query rows and heads are never stored, and tokens of no sequence
@@ -33,6 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.layout import TOKEN_MAJOR, index, page_dims
+
 # Finite rather than -inf so a row with no valid key in the current tile keeps its running max finite,
 # and exp(m_prev - m_new) never sees inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -43,8 +48,8 @@ MIN_DOT_DIM = 16
 def paged_attention_kernel(
     # inputs (whole arrays in GPU memory; programs index into them)
     q_ref,  # [num_tokens, num_heads, head_dim]
-    k_pages_ref,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_pages_ref,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_pages_ref,  # pages in `layout` (layout.py)
+    v_pages_ref,  # pages in `layout`
     block_tables_ref,  # int32 [num_seqs, max_blocks_per_seq]
     seq_lens_ref,  # int32 [num_seqs]
     query_start_loc_ref,  # int32 [num_seqs + 1]
@@ -57,11 +62,12 @@ def paged_attention_kernel(
     group_pad: int,
     block_q: int,
     block_k: int,
+    layout: str,
 ):
     del o_zeros_ref  # only there to give o_ref its zeros
     seq, kv_head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_tokens, num_heads, head_dim = q_ref.shape
-    block_size = k_pages_ref.shape[1]
+    block_size = page_dims(k_pages_ref, layout)[1]
     max_blocks = block_tables_ref.shape[1]
     rows = block_q * group_pad
 
@@ -99,8 +105,9 @@ def paged_attention_kernel(
         page = block_tables_ref[seq, jnp.minimum(kv_pos // block_size, max_blocks - 1)]  # [block_k, 1]
         slot = kv_pos % block_size
         # Slots past seq_len may hold anything, NaN included: they are never read, and read as 0.
-        k = plgpu.load(k_pages_ref.at[page, slot, kv_head, dim], mask=kv_valid, other=0)  # [block_k, D]
-        v = plgpu.load(v_pages_ref.at[page, slot, kv_head, dim], mask=kv_valid, other=0)  # [block_k, D]
+        at = index(layout, page, slot, kv_head, dim)
+        k = plgpu.load(k_pages_ref.at[at], mask=kv_valid, other=0)  # [block_k, D]
+        v = plgpu.load(v_pages_ref.at[at], mask=kv_valid, other=0)  # [block_k, D]
 
         s = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
@@ -132,15 +139,15 @@ def paged_attention_kernel(
 
 def _pallas_call(
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
-    max_query_len, scale, block_q, block_k, num_warps, num_stages, interpret,
+    max_query_len, scale, block_q, block_k, num_warps, num_stages, interpret, layout,
 ):
     num_heads = q.shape[1]
-    num_kv_heads = k_pages.shape[2]
+    num_kv_heads = page_dims(k_pages, layout)[2]
     group = num_heads // num_kv_heads
     group_pad = pl.next_power_of_2(group)
     kernel = functools.partial(
         paged_attention_kernel, scale=scale, group=group, group_pad=group_pad, block_q=block_q,
-        block_k=block_k,
+        block_k=block_k, layout=layout,
     )
     # No BlockSpecs: tiles are ragged (a sequence's tokens start anywhere) and paged, so the kernel
     # computes its own indices into whole arrays. The output starts as zeros (aliased in, so it is
@@ -152,7 +159,7 @@ def _pallas_call(
         input_output_aliases={6: 0},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention_{block_q=}_{block_k=}_{group_pad=}",
+        name=f"paged_attention_{layout}_{block_q=}_{block_k=}_{group_pad=}",
     )(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, jnp.zeros_like(q))
 
 
@@ -167,18 +174,18 @@ def _is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len):
+def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len, layout):
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(
-            "k_pages and v_pages must both be [num_blocks, block_size, num_kv_heads, head_dim], got"
-            f" {k_pages.shape} and {v_pages.shape}"
+            f"k_pages and v_pages must both be {layout} pages, 4-d and of one shape, got {k_pages.shape}"
+            f" and {v_pages.shape}"
         )
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_pages.shape[2]
-    if k_pages.shape[3] != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but the pages have {k_pages.shape[3]}")
+    _, _, num_kv_heads, pages_head_dim = page_dims(k_pages, layout)
+    if pages_head_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but the pages have {pages_head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if not _is_power_of_2(head_dim) or head_dim < MIN_DOT_DIM:
@@ -216,7 +223,8 @@ def _check_blocks(block_q, block_k, group):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("max_query_len", "scale", "block_q", "block_k", "num_warps", "num_stages", "interpret"),
+    static_argnames=("max_query_len", "scale", "block_q", "block_k", "num_warps", "num_stages", "interpret",
+                     "layout"),
 )
 def paged_attention(
     q: jax.Array,
@@ -233,13 +241,15 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    layout: str = TOKEN_MAJOR,
 ) -> jax.Array:
     """Causal attention of ragged new tokens over their sequences' paged K/V (Pallas, Triton backend).
 
     q: [num_tokens, num_heads, head_dim] float32/bfloat16/float16; query heads h*G..h*G+G-1 share KV
         head h. head_dim must be a power of two >= 16.
-    k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype (layout.py),
-        already holding this step's new K/V; any block_size.
+    k_pages, v_pages: pages in `layout` in q's dtype, already holding this step's new K/V; any
+        block_size. Token-major [num_blocks, block_size, num_kv_heads, head_dim] or head-major
+        [num_blocks, num_kv_heads, block_size, head_dim] (layout.py).
     block_tables: int32 [num_seqs, max_blocks_per_seq]
     seq_lens: int32 [num_seqs]; context length including the new tokens, 0 for padding sequences.
     query_start_loc: int32 [num_seqs + 1]; sequence i owns tokens query_start_loc[i]:[i+1].
@@ -250,14 +260,16 @@ def paged_attention(
     block_k: K/V tokens per inner step (power of two >= 16).
     num_warps, num_stages: Triton launch parameters.
     interpret: run the kernel body with the Pallas interpreter (any platform, slow).
+    layout: of the pages, "token_major" or "head_major" (layout.LAYOUTS).
     returns [num_tokens, num_heads, head_dim] in q's dtype; rows of padding tokens are 0.
     """
-    _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len)
-    group = q.shape[1] // k_pages.shape[2]
+    _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len, layout)
+    group = q.shape[1] // page_dims(k_pages, layout)[2]
     block_q = default_block_q(max_query_len, group) if block_q is None else block_q
     _check_blocks(block_q, block_k, group)
     return _pallas_call(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
         max_query_len=max_query_len, scale=q.shape[2] ** -0.5 if scale is None else scale,
         block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        layout=layout,
     )

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import layout
+from kernels_pallas.layout import TOKEN_MAJOR, gather_kv, page_dims
 
 
 def paged_attention_reference(
@@ -16,12 +16,14 @@ def paged_attention_reference(
     *,
     max_query_len: int,
     scale: float | None = None,
+    layout: str = TOKEN_MAJOR,
 ) -> jax.Array:
     """Causal attention of ragged new tokens over their sequences' paged K/V.
 
     q: [num_tokens, num_heads, head_dim]; query heads h*G..h*G+G-1 share KV head h (G = group size).
-    k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] (see layout.py), already
-        holding this step's new K/V.
+    k_pages, v_pages: pages in `layout` (layout.py: [num_blocks, block_size, num_kv_heads, head_dim]
+        token-major, [num_blocks, num_kv_heads, block_size, head_dim] head-major), already holding
+        this step's new K/V.
     block_tables: int32 [num_seqs, max_blocks_per_seq]
     seq_lens: int32 [num_seqs]; 0 for padding sequences.
     query_start_loc: int32 [num_seqs + 1]
@@ -29,13 +31,13 @@ def paged_attention_reference(
     returns [num_tokens, num_heads, head_dim] in q's dtype; rows of padding tokens are 0.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[2]
+    num_kv_heads = page_dims(k_pages, layout)[2]
     group = num_heads // num_kv_heads
     num_seqs = block_tables.shape[0]
     scale = head_dim**-0.5 if scale is None else scale
 
-    k = layout.gather_kv(k_pages, block_tables).astype(jnp.float32)  # [S, K, KVH, D]
-    v = layout.gather_kv(v_pages, block_tables).astype(jnp.float32)
+    k = gather_kv(k_pages, block_tables, layout).astype(jnp.float32)  # [S, K, KVH, D]
+    v = gather_kv(v_pages, block_tables, layout).astype(jnp.float32)
     kv_pos = jnp.arange(k.shape[1])
     kv_valid = kv_pos[None, :] < seq_lens[:, None]  # [S, K]
     # Unwritten slots may hold anything (NaN included): mask values, not just scores.

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import layout
 from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.reference import paged_attention_reference
 
@@ -25,6 +26,7 @@ class Case:
     block_size: int
     dtype: type = jnp.float32
     knobs: tuple[tuple[str, int], ...] = ()  # kernel tuning keywords
+    layout: str = layout.TOKEN_MAJOR  # of the pages (layout.LAYOUTS)
 
     @property
     def max_query_len(self) -> int:
@@ -36,7 +38,7 @@ class Batch:
     """A step's inputs, plus the contiguous per-sequence K/V they were written from."""
 
     q: jax.Array  # [num_tokens, num_heads, head_dim]
-    k_pages: jax.Array  # [num_blocks, block_size, num_kv_heads, head_dim]; NaN in every unwritten slot
+    k_pages: jax.Array  # pages in the case's layout; NaN in every unwritten slot
     v_pages: jax.Array
     block_tables: jax.Array  # int32 [num_seqs, max_blocks]
     seq_lens: jax.Array  # int32 [num_seqs]
@@ -50,7 +52,8 @@ class Batch:
 
 
 def make_batch(case: Case, seed: int = 0, poison=np.nan) -> Batch:
-    """Random K/V written through randomly permuted block tables; `poison` fills all other slots."""
+    """Random K/V written through randomly permuted block tables into pages in the case's layout;
+    `poison` fills all other slots."""
     rng = np.random.default_rng(seed)
     bs, kvh, dim = case.block_size, case.num_kv_heads, case.head_dim
     blocks_needed = [-(-n // bs) for n in case.seq_lens]
@@ -74,8 +77,8 @@ def make_batch(case: Case, seed: int = 0, poison=np.nan) -> Batch:
     num_tokens = int(query_start_loc[-1]) + TRAILING_PAD_TOKENS
     return Batch(
         q=jnp.asarray(rng.standard_normal((num_tokens, case.num_heads, dim)), case.dtype),
-        k_pages=jnp.asarray(k_pages, case.dtype),
-        v_pages=jnp.asarray(v_pages, case.dtype),
+        k_pages=layout.convert(jnp.asarray(k_pages, case.dtype), layout.TOKEN_MAJOR, case.layout),
+        v_pages=layout.convert(jnp.asarray(v_pages, case.dtype), layout.TOKEN_MAJOR, case.layout),
         block_tables=jnp.asarray(block_tables, jnp.int32),
         seq_lens=jnp.asarray(case.seq_lens, jnp.int32),
         query_start_loc=jnp.asarray(query_start_loc, jnp.int32),
@@ -115,7 +118,7 @@ def case_id(case: Case) -> str:
     knobs = "".join(f"-{k}{v}" for k, v in case.knobs)
     return (
         f"{kind}-h{case.num_heads}kv{case.num_kv_heads}-d{case.head_dim}-bs{case.block_size}"
-        f"-{jnp.dtype(case.dtype).name}{knobs}"
+        f"-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}"
     )
 
 
@@ -143,6 +146,9 @@ CASES = [
         knobs=(("block_q", 2), ("block_k", 128)),
     ),
 ]
+# Head-major pages on a subset, chosen to vary what the layout touches: the page and slot of each K/V
+# row (decode over pages of 8; tiles of 16 inside pages of 32; tiles of 128 across 16 pages of 8).
+CASES += [dataclasses.replace(CASES[i], layout=layout.HEAD_MAJOR) for i in (1, 10, 11)]
 
 
 def check_kernel(case: Case, *, interpret: bool, seed: int = 0) -> tuple[float, list[str]]:
@@ -151,8 +157,9 @@ def check_kernel(case: Case, *, interpret: bool, seed: int = 0) -> tuple[float, 
     the case passes)."""
     batch = make_batch(case, seed)
     dense = dense_attention(case, batch)
-    out = paged_attention(*batch.args, max_query_len=case.max_query_len, interpret=interpret, **dict(case.knobs))
-    ref = paged_attention_reference(*batch.args, max_query_len=case.max_query_len)
+    out = paged_attention(*batch.args, max_query_len=case.max_query_len, interpret=interpret, layout=case.layout,
+                          **dict(case.knobs))
+    ref = paged_attention_reference(*batch.args, max_query_len=case.max_query_len, layout=case.layout)
     tol = TOLERANCE[case.dtype]
     err = rel_err(out, dense)
     checks = {

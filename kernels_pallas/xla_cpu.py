@@ -16,6 +16,9 @@ tokens instead:
   its last query's causal bound. The tile count is dynamic too: it follows the real new tokens, not
   the padded batch.
 
+Pages may be in either layout (layout.py): a chunk's gather reads whole pages and `layout.heads_first`
+puts them in the [kv_heads, tokens, head_dim] order the dots want, one transposing copy either way.
+
 Rows are told apart by their token counts at run time, so any batch takes the fast path for each
 row; the caller need not order or flag them.
 
@@ -39,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.layout import TOKEN_MAJOR, heads_first, page_dims
+
 
 def paged_attention_xla(
     q: jax.Array,
@@ -54,13 +59,13 @@ def paged_attention_xla(
     decode_chunk_pages: int = 8,
     prefill_tile: int = 256,
     prefill_chunk_pages: int = 16,
+    layout: str = TOKEN_MAJOR,
 ) -> jax.Array:
     """Causal attention of ragged new tokens over their sequences' paged K/V, for XLA on the CPU.
 
     q: [num_tokens, num_heads, head_dim] float32/bfloat16/float16; query heads h*G..h*G+G-1 share KV
         head h.
-    k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype (layout.py),
-        already holding this step's new K/V.
+    k_pages, v_pages: pages in `layout` (layout.py) in q's dtype, already holding this step's new K/V.
     block_tables: int32 [num_seqs, max_blocks_per_seq]
     seq_lens: int32 [num_seqs]; context length including the new tokens, 0 for padding sequences.
     query_start_loc: int32 [num_seqs + 1]; sequence i owns tokens query_start_loc[i]:[i+1].
@@ -70,9 +75,10 @@ def paged_attention_xla(
     decode_chunk_pages: pages per online-softmax step of those rows.
     prefill_tile: new tokens per query tile of the other rows.
     prefill_chunk_pages: pages per online-softmax step of a query tile.
+    layout: of the pages, "token_major" or "head_major" (layout.LAYOUTS).
     returns [num_tokens, num_heads, head_dim] in q's dtype; rows of padding tokens are 0.
     """
-    _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len)
+    _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len, layout)
     for name, knob in dict(
         decode_group=decode_group, decode_chunk_pages=decode_chunk_pages, prefill_tile=prefill_tile,
         prefill_chunk_pages=prefill_chunk_pages,
@@ -83,32 +89,33 @@ def paged_attention_xla(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
         tiles=max_query_len > 1, scale=q.shape[2] ** -0.5 if scale is None else scale,
         decode_group=min(decode_group, block_tables.shape[0]), decode_chunk_pages=decode_chunk_pages,
-        prefill_tile=min(prefill_tile, q.shape[0]), prefill_chunk_pages=prefill_chunk_pages,
+        prefill_tile=min(prefill_tile, q.shape[0]), prefill_chunk_pages=prefill_chunk_pages, layout=layout,
     )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("tiles", "scale", "decode_group", "decode_chunk_pages", "prefill_tile",
-                     "prefill_chunk_pages"),
+                     "prefill_chunk_pages", "layout"),
 )
 def _paged_attention_xla(
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, tiles, scale, decode_group,
-    decode_chunk_pages, prefill_tile, prefill_chunk_pages,
+    decode_chunk_pages, prefill_tile, prefill_chunk_pages, layout,
 ):
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     out = _decode(
         jnp.zeros(q.shape, q.dtype), q, k_pages, v_pages, block_tables, jnp.where(q_lens == 1, seq_lens, 0),
-        query_start_loc, scale=scale, group_rows=decode_group, chunk_pages=decode_chunk_pages,
+        query_start_loc, scale=scale, group_rows=decode_group, chunk_pages=decode_chunk_pages, layout=layout,
     )
     if tiles:
         out = attend_multi_token_rows(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                                      scale=scale, tile=prefill_tile, chunk_pages=prefill_chunk_pages)
+                                      scale=scale, tile=prefill_tile, chunk_pages=prefill_chunk_pages,
+                                      layout=layout)
     return out
 
 
 def attend_multi_token_rows(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, scale: float,
-                            tile: int = 256, chunk_pages: int = 16) -> jax.Array:
+                            tile: int = 256, chunk_pages: int = 16, layout: str = TOKEN_MAJOR) -> jax.Array:
     """`out` with the attention of every row holding several new tokens written in (query tiles);
     the other rows' tokens are left as they are. The CPU kernel pairs its decode with this.
 
@@ -116,11 +123,11 @@ def attend_multi_token_rows(out, q, k_pages, v_pages, block_tables, seq_lens, qu
     """
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     return _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, jnp.where(q_lens > 1, q_lens, 0),
-                    scale=scale, tile=min(tile, q.shape[0]), chunk_pages=chunk_pages)
+                    scale=scale, tile=min(tile, q.shape[0]), chunk_pages=chunk_pages, layout=layout)
 
 
 def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *, scale, group_rows,
-            chunk_pages):
+            chunk_pages, layout):
     """Writes the attention of the rows with one new token into `out`.
 
     out, q: [num_tokens, num_heads, head_dim]; block_tables: int32 [rows, max_blocks];
@@ -129,7 +136,7 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
     returns out with those rows' tokens set.
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_pages.shape
+    _, block_size, kv_heads, _ = page_dims(k_pages, layout)
     group = num_heads // kv_heads
     chunk = chunk_pages * block_size
     rows = block_tables.shape[0]
@@ -151,7 +158,7 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
         def step(i, carry):
             pages = lax.dynamic_slice_in_dim(table, i * chunk_pages, chunk_pages, axis=1)
             valid = i * chunk + jnp.arange(chunk) < lens[:, None]  # [rows, chunk]
-            k, v = _chunk_kv(k_pages, v_pages, pages, valid, i * chunk < lens[0])
+            k, v = _chunk_kv(k_pages, v_pages, pages, valid, i * chunk < lens[0], layout)
             s = jnp.einsum("bhcd,bhgd->bhgc", k, qg)
             return _online_softmax_step(carry, s, valid[:, None, None], v, "bhgc,bhcd->bhgd")
 
@@ -166,7 +173,7 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
 
 
 def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, q_lens, *, scale, tile,
-             chunk_pages):
+             chunk_pages, layout):
     """Writes the attention of the rows with several new tokens into `out`, a tile of `tile` at a time.
 
     out, q: [num_tokens, num_heads, head_dim] with num_tokens >= tile; block_tables: int32
@@ -175,7 +182,7 @@ def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
     returns out with those rows' tokens set.
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_pages.shape
+    _, block_size, kv_heads, _ = page_dims(k_pages, layout)
     group = num_heads // kv_heads
     chunk = chunk_pages * block_size
     tables = _pad_to(block_tables, chunk_pages)
@@ -201,7 +208,7 @@ def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
         def step(i, carry):
             pages = lax.dynamic_slice_in_dim(table, i * chunk_pages, chunk_pages)
             kv_pos = i * chunk + jnp.arange(chunk)
-            k, v = _chunk_kv(k_pages, v_pages, pages, kv_pos < seq_len, i * chunk < kv_end)
+            k, v = _chunk_kv(k_pages, v_pages, pages, kv_pos < seq_len, i * chunk < kv_end, layout)
             s = jnp.einsum("hmd,hkd->hmk", qt, k)
             return _online_softmax_step(carry, s, kv_pos <= q_pos[:, None], v, "hmk,hkd->hmd")
 
@@ -242,10 +249,10 @@ def _online_softmax_result(carry):
     return acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
 
 
-def _chunk_kv(k_pages, v_pages, pages, valid, live):
-    """A chunk's K and V, head-major in float32, V zeroed where not valid.
+def _chunk_kv(k_pages, v_pages, pages, valid, live, layout):
+    """A chunk's K and V, KV heads first, in float32, V zeroed where not valid.
 
-    pages: int32 [..., chunk_pages]; valid: bool [..., chunk_pages * block_size].
+    k_pages, v_pages: pages in `layout`; pages: int32 [..., chunk_pages]; valid: bool [..., chunk_pages * block_size].
     returns k, v: [..., num_kv_heads, chunk_pages * block_size, head_dim].
 
     live: a traced bool, true wherever this is called (the chunk is within the loop's bound). 16-bit
@@ -255,14 +262,11 @@ def _chunk_kv(k_pages, v_pages, pages, valid, live):
     at every call. Inside the branch it stays fused into the gather, per gathered element. float32
     pages skip the branch, which costs about 0.1 ms a chunk.
     """
-    _, _, kv_heads, head_dim = k_pages.shape
-
-    def head_major(x):  # [..., chunk_pages, block_size, kv_heads, dim] -> [..., kv_heads, chunk, dim]
-        return jnp.moveaxis(x.astype(jnp.float32).reshape(*valid.shape, kv_heads, head_dim), -2, -3)
 
     def fetch():
-        v = jnp.where(valid[..., None, None], v_pages[pages].reshape(*valid.shape, kv_heads, head_dim), 0)
-        return head_major(k_pages[pages]), head_major(v)
+        k = heads_first(k_pages[pages], layout).astype(jnp.float32)
+        v = jnp.where(valid[..., None, :, None], heads_first(v_pages[pages], layout), 0)
+        return k, v.astype(jnp.float32)
 
     if k_pages.dtype == jnp.float32:
         return fetch()
@@ -274,18 +278,19 @@ def _pad_to(block_tables, multiple):
     return jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % multiple)))
 
 
-def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len):
+def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len, layout):
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(
-            "k_pages and v_pages must both be [num_blocks, block_size, num_kv_heads, head_dim], got"
-            f" {k_pages.shape} and {v_pages.shape}"
+            f"k_pages and v_pages must both be {layout} pages, 4-d and of one shape, got {k_pages.shape}"
+            f" and {v_pages.shape}"
         )
-    if k_pages.shape[3] != q.shape[2] or q.shape[1] % k_pages.shape[2]:
+    _, _, kv_heads, head_dim = page_dims(k_pages, layout)
+    if head_dim != q.shape[2] or q.shape[1] % kv_heads:
         raise ValueError(
-            f"q's heads {q.shape[1]} must be a multiple of the pages' {k_pages.shape[2]} and head_dim"
-            f" {q.shape[2]} equal theirs {k_pages.shape[3]}"
+            f"q's heads {q.shape[1]} must be a multiple of the pages' {kv_heads} and head_dim"
+            f" {q.shape[2]} equal theirs {head_dim}"
         )
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(

@@ -13,6 +13,7 @@ on output dims, row-parallel on input dims, embeddings on vocab); `nnx.get_parti
 reads them. Construction never shards (eager_sharding=False): placing is the loader's or engine's call.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -59,9 +60,10 @@ class Attention(nnx.Module):
                                    (TP_AXIS, None, None), dtype)
         self.o = _param(rngs, _normal, (c.num_heads * c.head_dim, c.hidden_size), (TP_AXIS, None), dtype)
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str):
+    def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str,
+                 kv_layout: str):
         """x: [num_tokens, hidden]; cos, sin: float32 [num_tokens, head_dim // 2];
-        k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim].
+        k_pages, v_pages: this layer's pages in kv_layout (kernels_pallas/layout.py).
 
         Returns the output [num_tokens, hidden] and the pages holding this step's K/V.
         """
@@ -73,9 +75,9 @@ class Attention(nnx.Module):
         qk = rope.apply(qkv[:, :, : g + 1], cos, sin)  # q and k rotate together: one fused op
         q = qk[:, :, :g].reshape(x.shape[0], c.num_heads, c.head_dim)
         k, v = qk[:, :, g], qkv[:, :, g + 1]  # [num_tokens, num_kv_heads, head_dim]
-        k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, metadata.slot_mapping, k, v)
+        k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, metadata.slot_mapping, k, v, kv_layout)
         out = kernels_pallas.paged_attention(
-            q, k_pages, v_pages, metadata, scale=c.head_dim**-0.5, backend=attn_backend
+            q, k_pages, v_pages, metadata, scale=c.head_dim**-0.5, backend=attn_backend, layout=kv_layout
         )
         return out.reshape(x.shape[0], -1) @ self.o[...], k_pages, v_pages
 
@@ -99,20 +101,22 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str):
+    def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str,
+                 kv_layout: str):
         """Shapes as Attention.__call__; returns (x, k_pages, v_pages)."""
-        attn, k_pages, v_pages = self.attn(self.input_norm(x), cos, sin, k_pages, v_pages, metadata, attn_backend)
+        attn, k_pages, v_pages = self.attn(self.input_norm(x), cos, sin, k_pages, v_pages, metadata, attn_backend,
+                                           kv_layout)
         x = x + attn
         return x + self.mlp(self.post_attention_norm(x)), k_pages, v_pages
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend"))
-def _decoder_layer(graphdef, state, x, cos, sin, k_pages, v_pages, metadata, *, attn_backend: str):
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend", "kv_layout"))
+def _decoder_layer(graphdef, state, x, cos, sin, k_pages, v_pages, metadata, *, attn_backend: str, kv_layout: str):
     """DecoderLayer.__call__ as a function of its state, jitted on its own: every layer has the same
     structure and shapes, so inside the step all share one trace and one lowering, and tracing the
     step costs one layer, not num_layers (seconds at each start-up). XLA inlines the calls again when
     it compiles, so the compiled step is the same."""
-    return nnx.merge(graphdef, state)(x, cos, sin, k_pages, v_pages, metadata, attn_backend)
+    return nnx.merge(graphdef, state)(x, cos, sin, k_pages, v_pages, metadata, attn_backend, kv_layout)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -139,7 +143,7 @@ class LlamaForCausalLM(nnx.Module):
 
         input_ids: int32 [num_tokens]; padding tokens carry slot -1 in metadata.slot_mapping.
         positions: int32 [num_tokens], each token's position in its sequence.
-        kv_cache: pages of every layer, [num_blocks, block_size, num_kv_heads, head_dim] each.
+        kv_cache: pages of every layer, in kv_cache.layout.
         logits_indices: int32 [num_seqs], rows of the flat batch whose logits are wanted.
         Returns logits float32 [num_seqs, vocab] and the cache holding this step's K/V.
         """
@@ -148,7 +152,7 @@ class LlamaForCausalLM(nnx.Module):
         ks, vs = [], []
         for layer, k_pages, v_pages in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             x, k_pages, v_pages = _decoder_layer(*nnx.split(layer), x, cos, sin, k_pages, v_pages, metadata,
-                                                 attn_backend=attn_backend)
+                                                 attn_backend=attn_backend, kv_layout=kv_cache.layout)
             ks.append(k_pages)
             vs.append(v_pages)
         # Only the sampled rows go through the final norm and the lm_head, the largest matmul.
@@ -157,7 +161,7 @@ class LlamaForCausalLM(nnx.Module):
             logits = jnp.einsum("th,vh->tv", x, self.embed[...], preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("th,hv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
-        return logits, KVCache(k=tuple(ks), v=tuple(vs))
+        return logits, dataclasses.replace(kv_cache, k=tuple(ks), v=tuple(vs))
 
 
 def make_forward(graphdef: nnx.GraphDef, *, attn_backend: str = "auto"):

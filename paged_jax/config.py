@@ -6,7 +6,7 @@ from typing import Literal, Protocol
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import BACKENDS, BackendChoice, bytes_per_block, choose_backend
+from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend
 
 DTYPES = ("auto", "float32", "bfloat16")
 # The KV budget where no device reports its memory (the CPU): what a laptop can spare.
@@ -39,6 +39,9 @@ class EngineConfig:
     # float32 (the fast dtype there) on the CPU; for a model handed to the engine, its weights' dtype.
     dtype: str = "auto"
     attention_backend: str = "auto"
+    # How each layer's K/V pages are laid out (kernels_pallas/layout.py): token-major
+    # [num_blocks, block_size, kv_heads, head_dim] or head-major [num_blocks, kv_heads, block_size, head_dim].
+    kv_layout: str = "token_major"
     seed: int = 0
 
     def __post_init__(self):
@@ -58,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.kv_layout not in LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {self.kv_layout!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

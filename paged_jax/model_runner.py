@@ -6,6 +6,7 @@ sends back only what the sampler picked (one device-to-host transfer). `step` is
 platform (tests lower it for CUDA on a CPU machine).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -39,16 +40,18 @@ def step(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, step_input
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
 def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copy whole blocks src[i] -> dst[i] in every layer. src, dst: int32 [n]; dst out of range = skip."""
+    """Copy whole blocks src[i] -> dst[i] in every layer. src, dst: int32 [n]; dst out of range = skip.
+    The block axis comes first in every layout, so this copies whole blocks in any."""
     copy = lambda pages: pages.at[dst].set(pages[src], mode="drop")
-    return KVCache(k=tuple(map(copy, kv_cache.k)), v=tuple(map(copy, kv_cache.v)))
+    return dataclasses.replace(kv_cache, k=tuple(map(copy, kv_cache.k)), v=tuple(map(copy, kv_cache.v)))
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
 def _write_blocks(kv_cache: KVCache, ids: jax.Array, k: tuple, v: tuple) -> KVCache:
-    """ids: int32 [n], out of range = skip; k[l], v[l]: [n, block_size, kv_heads, head_dim] for layer l."""
+    """ids: int32 [n], out of range = skip; k[l], v[l]: layer l's blocks [n, ...] in the cache's layout
+    (as swap_out read them)."""
     put = lambda pages, new: pages.at[ids].set(new.astype(pages.dtype), mode="drop")
-    return KVCache(k=tuple(map(put, kv_cache.k, k)), v=tuple(map(put, kv_cache.v, v)))
+    return dataclasses.replace(kv_cache, k=tuple(map(put, kv_cache.k, k)), v=tuple(map(put, kv_cache.v, v)))
 
 
 class ModelRunner:
@@ -64,7 +67,7 @@ class ModelRunner:
     def _new_kv_cache(self) -> KVCache:
         return init_kv_cache(self.model_config.num_layers, self._num_blocks, self.config.block_size,
                              self.model_config.num_kv_heads, self.model_config.head_dim, self._kv_dtype,
-                             allocate=allocate_pages)
+                             layout=self.config.kv_layout, allocate=allocate_pages)
 
     def restore_kv_cache(self) -> bool:
         """After a failed call: whether the failure took the KV cache, and if so a fresh one in its place.
@@ -105,6 +108,7 @@ class ModelRunner:
     # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks.
 
     def swap_out(self, block_ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Each layer's K and V blocks [len(block_ids), ...] in the cache's layout, on the host."""
         ids = np.asarray(block_ids, np.int32)
         return jax.device_get(([k[ids] for k in self.kv_cache.k], [v[ids] for v in self.kv_cache.v]))
 

@@ -19,7 +19,7 @@ import typing
 import uvicorn
 
 import models
-from kernels_pallas import BACKENDS
+from kernels_pallas import BACKENDS, LAYOUTS
 from paged_jax.config import DTYPES, EngineConfig
 from paged_jax.engine import LLMEngine
 from paged_jax.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
@@ -28,7 +28,7 @@ API_KEY_ENV = "PAGED_JAX_API_KEY"
 
 # EngineConfig fields whose vLLM flag is not the field's name.
 _FLAG_NAMES = {"num_blocks": "num-gpu-blocks-override"}
-_CHOICES = {"dtype": DTYPES, "attention_backend": BACKENDS}
+_CHOICES = {"dtype": DTYPES, "attention_backend": BACKENDS, "kv_layout": LAYOUTS}
 _HELP = {
     "block_size": "tokens per KV-cache block",
     "num_blocks": "KV-cache blocks (overrides --kv-cache-memory-bytes)",
@@ -42,6 +42,7 @@ _HELP = {
     "preemption_mode": "how a sequence gives way when the KV cache runs short",
     "dtype": "parameter and KV-cache dtype",
     "attention_backend": "paged-attention implementation",
+    "kv_layout": "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]",
     "seed": "engine seed, for requests without their own",
 }
 

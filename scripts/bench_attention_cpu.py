@@ -97,8 +97,8 @@ def make_step(scenario: Scenario, args, rng):
     return inputs, Q
 
 
-def median_ms(fns, inputs, rounds, calls=5):
-    """Median milliseconds of each function over `rounds` turns of `calls` calls each.
+def timings_ms(fns, inputs, rounds, calls=5) -> dict[str, np.ndarray]:
+    """Milliseconds of each call of each function, over `rounds` turns of `calls` calls each.
 
     Turns interleave so that the machine's noise hits every function alike; several calls a turn
     keep one function's after-effects (the reference frees hundreds of MB, so the next function's
@@ -113,7 +113,7 @@ def median_ms(fns, inputs, rounds, calls=5):
                 start = time.perf_counter()
                 jax.block_until_ready(f(*inputs))
                 times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    return {name: 1e3 * np.asarray(t) for name, t in times.items()}
 
 
 def main():
@@ -142,7 +142,7 @@ def main():
         }
         if Q == 1:
             fns["chunked"] = jax.jit(lambda q, k, v, bt, sl, _: decode_chunked(q[: bt.shape[0]], k, v, bt, sl))
-        ms = median_ms(fns, inputs, args.rounds)
+        ms = {name: float(np.median(t)) for name, t in timings_ms(fns, inputs, args.rounds).items()}
         expected = np.asarray(fns["reference"](*inputs), np.float64)
         err = np.linalg.norm(np.asarray(fns["xla"](*inputs), np.float64) - expected) / np.linalg.norm(expected)
         kv_bytes = 2 * int(inputs[4].sum()) * args.num_kv_heads * args.head_dim * itemsize

@@ -74,6 +74,12 @@ def test_gpu_memory_utilization_is_a_fraction(value):
         EngineConfig(gpu_memory_utilization=value)
 
 
+def test_kv_layout_is_one_of_the_layouts():
+    assert EngineConfig(kv_layout="head_major").kv_layout == "head_major"
+    with pytest.raises(ValueError, match=r"kv_layout must be one of \('token_major', 'head_major'\)"):
+        EngineConfig(kv_layout="head-major")
+
+
 def test_default_device_follows_jax_default_device():
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kernels_pallas
-from kernels_pallas import cpu_kernel
+from kernels_pallas import cpu_kernel, layout
 from kernels_pallas.reference import paged_attention_reference
 from test_xla_cpu_attention import CASES, TOLERANCE, TRAILING_PAD_TOKENS, Case, case_id, make_inputs, rel_err
 
@@ -24,8 +24,9 @@ def test_builds_on_this_machine():
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=case_id)
 def test_matches_reference(case):
     inputs = make_inputs(case)
-    out = jax.jit(cpu_kernel.paged_attention_cpu, static_argnames="max_query_len")(*inputs, max_query_len=case.max_query_len)
-    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len)
+    kernel = jax.jit(cpu_kernel.paged_attention_cpu, static_argnames=("max_query_len", "layout"))
+    out = kernel(*inputs, max_query_len=case.max_query_len, layout=case.layout)
+    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=case.layout)
     assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
     assert not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
     assert rel_err(out, ref) < TOLERANCE[jnp.float32]
@@ -78,15 +79,31 @@ def test_bad_block_table_is_an_error_not_a_crash():
             q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len=1))
 
 
-def test_kernel_alone_covers_multi_token_rows():
-    """With tiles left to XLA in the seam, the kernel's own prefill loop must still be right."""
-    case = Case(q_lens=(1, 37, 5, 0, 60), seq_lens=(50, 37, 20, 0, 130))
-    inputs = make_inputs(case, seed=3)
-    scale = inputs[0].shape[-1] ** -0.5
+def _call_kernel(inputs, kv_layout, **attributes):
+    """The kernel alone, attending every row itself (no XLA tiles), with `attributes` replacing the
+    ones the layout gives."""
     call = jax.ffi.ffi_call(cpu_kernel._TARGET, jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype))
-    out = call(*inputs, scale=np.float32(scale), single_token_rows_only=False)
-    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len)
+    return call(*inputs, scale=np.float32(inputs[0].shape[-1] ** -0.5), single_token_rows_only=False,
+                **cpu_kernel.layout_attributes(inputs[1], kv_layout) | attributes)
+
+
+@pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
+def test_kernel_alone_covers_multi_token_rows(kv_layout):
+    """With tiles left to XLA in the seam, the kernel's own prefill loop must still be right."""
+    case = Case(q_lens=(1, 37, 5, 0, 60), seq_lens=(50, 37, 20, 0, 130), layout=kv_layout)
+    inputs = make_inputs(case, seed=3)
+    out = _call_kernel(inputs, kv_layout)
+    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=kv_layout)
     assert rel_err(out, ref) < TOLERANCE[jnp.float32]
+
+
+def test_strides_past_a_block_are_an_error_not_a_crash():
+    """Head-major strides over token-major pages would read past the last block."""
+    inputs = make_inputs(Case(q_lens=(1, 1), seq_lens=(5, 9)))
+    head_major_strides = cpu_kernel.layout_attributes(layout.convert(inputs[1], layout.TOKEN_MAJOR, layout.HEAD_MAJOR),
+                                                      layout.HEAD_MAJOR)
+    with pytest.raises(Exception, match="strides do not match"):
+        jax.block_until_ready(_call_kernel(inputs, layout.TOKEN_MAJOR, head_stride=head_major_strides["head_stride"]))
 
 
 def _resident_bytes() -> int:

@@ -82,6 +82,9 @@ REGIMES = {
     "prefix_caching": dict(enable_prefix_caching=True),
     "preempt_recompute": dict(num_blocks=24, max_num_batched_tokens=64, preemption_mode="recompute"),
     "preempt_swap": dict(num_blocks=24, max_num_batched_tokens=64, preemption_mode="swap"),
+    # Head-major pages through the write, the kernel, chunked prefill, prefix caching and swapping.
+    "preempt_swap_head_major_pages": dict(num_blocks=24, max_num_batched_tokens=64, preemption_mode="swap",
+                                          kv_layout="head_major"),
 }
 
 
@@ -251,10 +254,13 @@ def generate_forks(engine: LLMEngine, prompts) -> tuple[list, list]:
     return [[c.token_ids for c in o.outputs] for o in outputs], [o.metrics.num_preemptions for o in outputs]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_forks_preempted_on_a_full_pool_give_the_same_tokens(tiny, prompts, mode):
+# Head-major pages on the full pool, against token-major ones on the roomy pool: copy-on-write block
+# copies and swaps in that layout too.
+@pytest.mark.parametrize("mode, kv_layout", [("recompute", "token_major"), ("swap", "token_major"),
+                                             ("swap", "head_major")])
+def test_forks_preempted_on_a_full_pool_give_the_same_tokens(tiny, prompts, mode, kv_layout):
     roomy, _ = generate_forks(make_engine(tiny, **FORK_OPTIONS | dict(num_blocks=256)), prompts)
-    engine = make_engine(tiny, **FORK_OPTIONS, preemption_mode=mode)
+    engine = make_engine(tiny, **FORK_OPTIONS, preemption_mode=mode, kv_layout=kv_layout)
     tokens, preemptions = generate_forks(engine, prompts)
     assert tokens == roomy
     assert all(len(c) == 40 for samples in tokens[:3] for c in samples)

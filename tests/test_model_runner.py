@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from kernels_pallas import layout
 from models.tiny import TINY_LLAMA, random_model
 from paged_jax import model_runner
 from paged_jax.config import EngineConfig, resolve
@@ -42,9 +43,10 @@ def scheduled(batch: str, block_size: int) -> list[ScheduledSeq]:
     return out
 
 
-def lower_step_for_cuda(batch: str, block_size: int, weights_dtype, dtype: str = "auto"):
+def lower_step_for_cuda(batch: str, block_size: int, weights_dtype, dtype: str = "auto",
+                        kv_layout: str = layout.TOKEN_MAJOR):
     """The engine's jitted step and its arguments for this batch, lowered for CUDA: (text, runner)."""
-    config = EngineConfig(block_size=block_size, num_blocks=NUM_BLOCKS, dtype=dtype)
+    config = EngineConfig(block_size=block_size, num_blocks=NUM_BLOCKS, dtype=dtype, kv_layout=kv_layout)
     resolved = resolve(config, TINY_LLAMA, FAKE_GPU, weights_dtype)
     assert resolved.attention_backend == "pallas"
     runner = model_runner.ModelRunner(random_model(dtype=weights_dtype), TINY_LLAMA, config, resolved)
@@ -54,23 +56,27 @@ def lower_step_for_cuda(batch: str, block_size: int, weights_dtype, dtype: str =
     return lowered.as_text(), resolved
 
 
-def kv_cache_args(text: str, resolved, block_size: int) -> list[str]:
+def kv_cache_args(text: str, resolved, block_size: int, kv_layout: str = layout.TOKEN_MAJOR) -> list[str]:
     """The attributes of the step's KV-cache parameters in the lowered module's main signature."""
     c = TINY_LLAMA
     mlir_dtype = {"float32": "f32", "bfloat16": "bf16"}[resolved.dtype]
-    page = f"tensor<{NUM_BLOCKS}x{block_size}x{c.num_kv_heads}x{c.head_dim}x{mlir_dtype}>"
+    shape = layout.page_shape(NUM_BLOCKS, block_size, c.num_kv_heads, c.head_dim, kv_layout)
+    page = f"tensor<{'x'.join(map(str, shape))}x{mlir_dtype}>"
     main = re.search(r"func\.func public @main\((.*?)\)\s*->", text, re.S).group(1)
     return re.findall(rf"%arg\d+: {re.escape(page)}\s*(\{{[^}}]*\}})?", main)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+# Head-major pages at one block size: the layout changes the pages' shape and the kernel's indices,
+# not what block size does.
+@pytest.mark.parametrize("block_size, kv_layout", [(16, layout.TOKEN_MAJOR), (32, layout.TOKEN_MAJOR),
+                                                   (16, layout.HEAD_MAJOR)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
-def test_whole_step_lowers_for_cuda_with_the_pallas_kernel(batch, dtype, block_size):
-    text, resolved = lower_step_for_cuda(batch, block_size, jnp.dtype(dtype))
+def test_whole_step_lowers_for_cuda_with_the_pallas_kernel(batch, dtype, block_size, kv_layout):
+    text, resolved = lower_step_for_cuda(batch, block_size, jnp.dtype(dtype), kv_layout=kv_layout)
     assert resolved.dtype == dtype
     assert "__gpu$xla.gpu.triton" in text, "the step must call the Pallas Triton kernel"
-    kv_args = kv_cache_args(text, resolved, block_size)
+    kv_args = kv_cache_args(text, resolved, block_size, kv_layout)
     assert len(kv_args) == 2 * TINY_LLAMA.num_layers, "every layer's K and V pages, in the cache's dtype"
     assert all("tf.aliasing_output" in a or "jax.buffer_donor" in a for a in kv_args), "the KV cache is donated"
 

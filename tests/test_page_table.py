@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,7 +107,8 @@ def test_slot_mapping_matches_block_tables():
     assert np.asarray(pt.slot_mapping(table, seq_ids, positions)).tolist() == expected + [-1, -1]
 
 
-def test_slot_mapping_round_trips_through_the_kv_layout():
+@pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
+def test_slot_mapping_round_trips_through_the_kv_layout(kv_layout):
     """K written through slot_mapping and read back through block_tables comes out in token order."""
     table, pool = fresh()
     table, pool, _ = append(table, pool, {1: 3})
@@ -114,13 +116,14 @@ def test_slot_mapping_round_trips_through_the_kv_layout():
     assert ok
     seq_ids = jnp.array([0] * 7 + [1] * 9 + [-1])
     positions = jnp.array(list(range(7)) + list(range(9)) + [0])
-    values = jnp.arange(17, dtype=jnp.float32).reshape(17, 1, 1)  # the padding token carries 16
-    pages = jnp.full(layout.page_shape(NUM_BLOCKS, BLOCK_SIZE, 1, 1), jnp.nan)
-    pages, _ = layout.write_kv(pages, pages, pt.slot_mapping(table, seq_ids, positions), values, values)
-    k = np.asarray(layout.gather_kv(pages, table.block_tables))[:, :, 0, 0]
-    assert k[0, :7].tolist() == list(range(7))
-    assert k[1, :9].tolist() == list(range(7, 16))
-    assert np.isnan(pages[bp.NULL_BLOCK]).all() and not (pages == 16).any()
+    # Token t carries t in KV head 0 and -t in KV head 1; the padding token carries 16.
+    values = jnp.arange(17, dtype=jnp.float32)[:, None, None] * jnp.array([1.0, -1.0])[None, :, None]
+    pages = jnp.full(layout.page_shape(NUM_BLOCKS, BLOCK_SIZE, 2, 1, kv_layout), jnp.nan)
+    pages, _ = layout.write_kv(pages, pages, pt.slot_mapping(table, seq_ids, positions), values, values, kv_layout)
+    k = np.asarray(layout.gather_kv(pages, table.block_tables, kv_layout))[:, :, :, 0]  # [seqs, tokens, heads]
+    assert k[0, :7].tolist() == [[t, -t] for t in range(7)]
+    assert k[1, :9].tolist() == [[t, -t] for t in range(7, 16)]
+    assert np.isnan(pages[bp.NULL_BLOCK]).all() and not (jnp.abs(pages) == 16).any()
 
 
 def test_failed_append_changes_nothing():

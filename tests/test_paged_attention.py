@@ -58,12 +58,14 @@ def test_dispatch_seam_runs_the_kernel():
     [
         Case(q_lens=(1,) * 4, seq_lens=(37, 1, 100, 64), num_heads=9, num_kv_heads=3, head_dim=64,
              block_size=16),
-        Case(q_lens=(1,) * 3, seq_lens=(5, 90, 33), num_heads=8, num_kv_heads=2, head_dim=128, block_size=8),
+        Case(q_lens=(1,) * 3, seq_lens=(5, 90, 33), num_heads=8, num_kv_heads=2, head_dim=128, block_size=8,
+             layout=layout.HEAD_MAJOR),
     ],
     ids=case_id,
 )
 def test_decode_matches_jax_paged_attention(case):
-    """JAX's decode kernel (head-major pages, heads padded to block_h=16) as an independent check.
+    """JAX's decode kernel (pages [kv_heads, blocks, block_size, dim], heads padded to block_h=16) as an
+    independent check.
 
     Its unwritten slots get finite garbage, not NaN: it masks scores but multiplies masked
     probabilities (0) into V, so a NaN in V would reach its output.
@@ -73,8 +75,8 @@ def test_decode_matches_jax_paged_attention(case):
     real = slice(0, len(case.q_lens))  # one token per sequence, without the trailing padding tokens
     theirs = jax_paged.paged_attention(
         batch.q[real] * case.head_dim**-0.5,  # it applies no softmax scale of its own
-        layout.to_head_major(batch.k_pages),
-        layout.to_head_major(batch.v_pages),
+        layout.to_jax_layout(batch.k_pages, case.layout),
+        layout.to_jax_layout(batch.v_pages, case.layout),
         batch.block_tables,
         batch.seq_lens,
         block_h=16,
@@ -82,7 +84,7 @@ def test_decode_matches_jax_paged_attention(case):
         k_splits=1,
         interpret=True,
     )
-    out = paged_attention(*batch.args, max_query_len=1, interpret=True)
+    out = paged_attention(*batch.args, max_query_len=1, interpret=True, layout=case.layout)
     expected = np.asarray(theirs, np.float64)
     assert rel_err(out[real], expected) < TOLERANCE[jnp.float32]
     assert rel_err(out[real], dense_attention(case, batch)[real]) < TOLERANCE[jnp.float32]
@@ -91,22 +93,24 @@ def test_decode_matches_jax_paged_attention(case):
 LOWERING_SHAPES = [(8, 8, 64), (9, 3, 64), (8, 2, 128), (16, 2, 128), (32, 1, 64)]  # groups 1, 3, 4, 8, 32
 
 
+@pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("max_query_len", [1, 7, 64])
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=lambda s: "h{}kv{}-d{}".format(*s))
-def test_lowers_to_triton_for_cuda(shape, max_query_len, dtype):
+def test_lowers_to_triton_for_cuda(shape, max_query_len, dtype, kv_layout):
     """The Pallas Triton lowering (power-of-two tiles, supported ops) succeeds on this CPU machine."""
     num_heads, num_kv_heads, head_dim = shape
     num_seqs, num_blocks, block_size = 4, 32, 16
+    pages = jax.ShapeDtypeStruct(layout.page_shape(num_blocks, block_size, num_kv_heads, head_dim, kv_layout), dtype)
     args = (
         jax.ShapeDtypeStruct((num_seqs * max_query_len, num_heads, head_dim), dtype),
-        jax.ShapeDtypeStruct((num_blocks, block_size, num_kv_heads, head_dim), dtype),
-        jax.ShapeDtypeStruct((num_blocks, block_size, num_kv_heads, head_dim), dtype),
+        pages,
+        pages,
         jax.ShapeDtypeStruct((num_seqs, 8), jnp.int32),
         jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
         jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
     )
-    f = jax.jit(lambda *a: paged_attention(*a, max_query_len=max_query_len))
+    f = jax.jit(lambda *a: paged_attention(*a, max_query_len=max_query_len, layout=kv_layout))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
@@ -124,6 +128,7 @@ def test_lowers_to_triton_for_cuda(shape, max_query_len, dtype):
         (dict(block_k=8), "block_k must be a power of two >= 16"),
         (dict(block_q=2), r"block_q \* 4 \(padded group\) >= 16"),
         (dict(max_query_len=0), "max_query_len must be >= 1"),
+        (dict(layout="block_major"), "kv_layout must be one of"),
     ],
 )
 def test_rejects_bad_arguments(change, message):
@@ -141,11 +146,13 @@ def test_rejects_bad_arguments(change, message):
         paged_attention(**{**args, **change})
 
 
-def test_write_kv_scatters_tokens_and_drops_padding():
+@pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
+def test_write_kv_scatters_tokens_and_drops_padding(kv_layout):
     rng = np.random.default_rng(3)
     num_blocks, block_size, kvh, dim = 5, 4, 2, 8
-    k_pages = jnp.asarray(rng.standard_normal((num_blocks, block_size, kvh, dim)), jnp.float32)
-    v_pages = jnp.asarray(rng.standard_normal((num_blocks, block_size, kvh, dim)), jnp.float32)
+    shape = layout.page_shape(num_blocks, block_size, kvh, dim, kv_layout)
+    k_pages = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v_pages = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     num_slots = num_blocks * block_size
     # The last slot is never a target: a -1 that wrapped around would land there.
     slots = rng.permutation(num_slots - 1)[:6]
@@ -153,12 +160,14 @@ def test_write_kv_scatters_tokens_and_drops_padding():
     k = jnp.asarray(rng.standard_normal((len(slot_mapping), kvh, dim)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((len(slot_mapping), kvh, dim)), jnp.bfloat16)
 
-    new_k, new_v = layout.write_kv(k_pages, v_pages, slot_mapping, k, v)
+    new_k, new_v = layout.write_kv(k_pages, v_pages, slot_mapping, k, v, kv_layout)
 
     assert new_k.dtype == k_pages.dtype and new_k.shape == k_pages.shape
     real = np.asarray(slot_mapping) >= 0
+    # Token-major pages flatten to [slot, kv_head, dim]: compare there.
+    slot_rows = lambda pages: np.asarray(layout.convert(pages, kv_layout, layout.TOKEN_MAJOR)).reshape(num_slots, kvh, dim)
     for new, old, src in ((new_k, k_pages, k), (new_v, v_pages, v)):
-        flat_new = np.asarray(new).reshape(num_slots, kvh, dim)
-        expected = np.asarray(old).reshape(num_slots, kvh, dim).copy()
+        flat_new = slot_rows(new)
+        expected = slot_rows(old).copy()
         expected[slots] = np.asarray(src.astype(jnp.float32))[real]
         np.testing.assert_array_equal(flat_new, expected)

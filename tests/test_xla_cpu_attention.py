@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kernels_pallas
+from kernels_pallas import layout
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.xla_cpu import paged_attention_xla
@@ -27,6 +28,7 @@ class Case:
     block_size: int = 16
     dtype: type = jnp.float32
     knobs: tuple[tuple[str, int], ...] = ()  # tuning keywords of paged_attention_xla
+    layout: str = layout.TOKEN_MAJOR  # of the pages (layout.LAYOUTS)
 
     @property
     def max_query_len(self) -> int:
@@ -34,7 +36,8 @@ class Case:
 
 
 def make_inputs(case: Case, seed: int = 0):
-    """(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc) with NaN in every unwritten slot.
+    """(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc) with NaN in every unwritten slot,
+    pages in the case's layout.
 
     The block tables are twice as wide as a power-of-two bucket of the longest sequence; entries past
     a sequence's blocks point at random pages (other sequences' or all-NaN ones).
@@ -57,8 +60,8 @@ def make_inputs(case: Case, seed: int = 0):
     num_tokens = int(query_start_loc[-1]) + TRAILING_PAD_TOKENS
     return (
         jnp.asarray(rng.standard_normal((num_tokens, case.num_heads, dim)), case.dtype),
-        jnp.asarray(k_pages, case.dtype),
-        jnp.asarray(v_pages, case.dtype),
+        layout.convert(jnp.asarray(k_pages, case.dtype), layout.TOKEN_MAJOR, case.layout),
+        layout.convert(jnp.asarray(v_pages, case.dtype), layout.TOKEN_MAJOR, case.layout),
         jnp.asarray(block_tables, jnp.int32),
         jnp.asarray(case.seq_lens, jnp.int32),
         jnp.asarray(query_start_loc, jnp.int32),
@@ -75,7 +78,7 @@ def case_id(case: Case) -> str:
     knobs = "".join(f"-{k}{v}" for k, v in case.knobs)
     return (
         f"q{max(case.q_lens)}-h{case.num_heads}kv{case.num_kv_heads}-d{case.head_dim}"
-        f"-bs{case.block_size}-{jnp.dtype(case.dtype).name}{knobs}"
+        f"-bs{case.block_size}-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}"
     )
 
 
@@ -110,14 +113,17 @@ CASES = [
     # A full tile whose last query is the first slot of a K/V chunk (prefix 17 + 32 tokens = 3 * 16 + 1).
     Case(q_lens=(17, 40), seq_lens=(17, 57), knobs=(("prefill_tile", 32), ("prefill_chunk_pages", 1))),
 ]
+# Head-major pages on a subset: decode chunks of three pages of 8, a bfloat16 mix of decode rows and
+# tiles, tiles of 16 over chunks of three pages (test_cpu_kernel.py runs the float32 ones too).
+CASES += [dataclasses.replace(CASES[i], layout=layout.HEAD_MAJOR) for i in (4, 6, 9)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case):
     inputs = make_inputs(case)
     assert jnp.isnan(inputs[1]).any() and jnp.isnan(inputs[2]).any(), "unwritten slots must be poisoned"
-    out = paged_attention_xla(*inputs, max_query_len=case.max_query_len, **dict(case.knobs))
-    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len)
+    out = paged_attention_xla(*inputs, max_query_len=case.max_query_len, layout=case.layout, **dict(case.knobs))
+    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=case.layout)
 
     assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
     assert not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
@@ -196,6 +202,7 @@ def test_seam_under_jit():
         (lambda a: dict(v_pages=a["v_pages"][:, :, :, :32]), "must both be"),
         (lambda a: dict(seq_lens=a["seq_lens"].astype(jnp.float32)), "seq_lens must be int32"),
         (lambda a: dict(query_start_loc=a["query_start_loc"][:4]), r"query_start_loc \[num_seqs \+ 1\]"),
+        (lambda a: dict(layout="block_major"), "kv_layout must be one of"),
     ],
 )
 def test_rejects_bad_arguments(change, message):
