@@ -42,6 +42,7 @@ _HELP = {
     "preemption_mode": "how a sequence gives way when the KV cache runs short",
     "dtype": "parameter and KV-cache dtype",
     "attention_backend": "paged-attention implementation",
+    "tensor_parallel_size": "devices to split the model's heads and MLP over (tensor parallelism)",
     "seed": "engine seed, for requests without their own",
 }
 
