@@ -25,7 +25,10 @@ TP_AXIS = "model"  # the mesh axis tensor parallelism splits weights over
 
 # Token-major pages [num_blocks, block_size, num_kv_heads, head_dim] (kernels_pallas/layout.py),
 # split over their KV-head axis; per-token q/k/v [num_tokens, heads, head_dim] over their head axis.
-PAGES = P(None, None, TP_AXIS, None)
+# PAGES has no trailing None: that is how the compiled step writes the spec of the cache it returns,
+# and NamedSharding(P(a, None)) != NamedSharding(P(a)), so a cache made with the longer spec would
+# compile every program a second time on its second call.
+PAGES = P(None, None, TP_AXIS)
 HEADS = P(None, TP_AXIS, None)
 
 
