@@ -39,7 +39,7 @@ class EngineConfig:
     # float32 (the fast dtype there) on the CPU; for a model handed to the engine, its weights' dtype.
     dtype: str = "auto"
     attention_backend: str = "auto"
-    # Devices the model's heads and MLP are split over (models/sharding.py); the KV budget is per device.
+    # Devices the model's heads and MLP are split over (models/sharding.py); on a GPU the KV budget is per device.
     tensor_parallel_size: int = 1
     seed: int = 0
 
@@ -140,9 +140,12 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     wanted = config.max_model_len or model_config.max_model_len
     num_blocks = config.num_blocks
     if num_blocks is None:
-        # What one device holds of a block: its share of the KV heads.
-        per_block = bytes_per_block(model_config.num_layers, config.block_size,
-                                    model_config.num_kv_heads // config.tensor_parallel_size, model_config.head_dim, dtype)
+        # The budget is per device where each has memory of its own (a GPU holds its share of the KV
+        # heads); devices on the host (the CPU) share its memory, so their budget is shared too.
+        kv_heads = model_config.num_kv_heads
+        if platform == "gpu":
+            kv_heads //= config.tensor_parallel_size
+        per_block = bytes_per_block(model_config.num_layers, config.block_size, kv_heads, model_config.head_dim, dtype)
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
         num_blocks = min(kv_cache_budget(config, device) // per_block,
                          4 * -(-wanted // config.block_size) * config.max_num_seqs) + 1
