@@ -12,6 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 import models
 from models.loader import cache_dir, shard_model
@@ -64,7 +65,7 @@ def _enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _mesh(config: EngineConfig):
+def _mesh(config: EngineConfig) -> Mesh | None:
     """The mesh the engine splits the model over, or None on one device."""
     return make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
 
@@ -82,7 +83,7 @@ class LLMEngine:
         mesh = _mesh(self.config)
         if mesh is not None:
             model = shard_model(model, mesh)
-            model_config = model.config
+            model_config = dataclasses.replace(model_config, num_kv_heads=model.config.num_kv_heads)
         self.model_config = model_config
         self.tokenizer = tokenizer
         weights_dtype = jnp.result_type(*jax.tree.leaves(nnx.state(model, nnx.Param)))
