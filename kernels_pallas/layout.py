@@ -16,7 +16,8 @@ Head-major: one (block, kv_head) tile is block_size * head_dim contiguous values
 attention kernel reads (one KV head's group of query heads against a page), so reads stream; writing
 a token scatters num_kv_heads runs of head_dim. scripts/compare_layouts.py measures the difference.
 
-Everything else reaches the layout through this module: `index` orders a (block, slot, head, dim)
+Everything else reaches the layout through this module: `head_axis` says which axis holds the KV
+heads (models/sharding.py splits it), `index` orders a (block, slot, head, dim)
 index for the layout, `page_dims` reads the four sizes back, `strides` gives the element strides a
 kernel needs, `tokens_first` / `heads_first` turn gathered pages into contiguous K/V, `write_kv`
 scatters new tokens. The block axis is first in both, so whole-block copies (copy-on-write, swap)
@@ -46,6 +47,11 @@ def _axis(layout: str, name: str) -> int:
     """Position of the "slot" (token within the block) or "head" (KV head) axis in a page array."""
     check_layout(layout)
     return 1 + _MIDDLE_AXES[layout].index(name)
+
+
+def head_axis(layout: str) -> int:
+    """Position of the KV-head axis in a page array: the axis tensor parallelism splits."""
+    return _axis(layout, "head")
 
 
 def index(layout: str, block, slot, head, dim) -> tuple:

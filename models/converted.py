@@ -62,8 +62,10 @@ def _on_device(array: np.ndarray) -> jax.Array:
     return jnp.asarray(array)
 
 
-def load(folder: Path, dtype) -> tuple[ModelConfig, Params, object] | None:
-    """(config, params, tokenizer or None) saved in `folder`, or None if nothing is saved there."""
+def load(folder: Path, dtype, *, on_device: bool = True) -> tuple[ModelConfig, Params, object] | None:
+    """(config, params, tokenizer or None) saved in `folder`, or None if nothing is saved there.
+    on_device=False leaves the parameters as the host's memory-mapped arrays (for a caller that
+    places them itself, shard by shard)."""
     if not (folder / "config.json").exists():
         return None
     fields = json.loads((folder / "config.json").read_text())
@@ -72,7 +74,8 @@ def load(folder: Path, dtype) -> tuple[ModelConfig, Params, object] | None:
         rope_scaling=None if rope_scaling is None else Llama3RopeScaling(**rope_scaling),
         eos_token_ids=tuple(fields["eos_token_ids"])))
     # np.save keeps bfloat16 as raw 2-byte values: the view gives them back their type.
-    params = {_state_path(file): _on_device(np.load(file, mmap_mode="c").view(dtype))
+    place = _on_device if on_device else lambda array: array
+    params = {_state_path(file): place(np.load(file, mmap_mode="c").view(dtype))
               for file in (folder / "params").glob("*.npy")}
     tokenizer = None
     if (folder / "tokenizer.json").exists():

@@ -24,8 +24,7 @@ import kernels_pallas
 from kernels_pallas import AttentionMetadata, KVCache
 from models import rope
 from models.config import ModelConfig
-
-TP_AXIS = "model"  # the mesh axis tensor parallelism splits weights over
+from models.sharding import TP_AXIS, per_kv_head
 
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], sharding: tuple, dtype) -> nnx.Param:
@@ -61,9 +60,10 @@ class Attention(nnx.Module):
         self.o = _param(rngs, _normal, (c.num_heads * c.head_dim, c.hidden_size), (TP_AXIS, None), dtype)
 
     def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str,
-                 kv_layout: str):
+                 kv_layout: str, mesh=None):
         """x: [num_tokens, hidden]; cos, sin: float32 [num_tokens, head_dim // 2];
-        k_pages, v_pages: this layer's pages in kv_layout (kernels_pallas/layout.py).
+        k_pages, v_pages: this layer's pages in kv_layout (kernels_pallas/layout.py); mesh: a
+        jax.sharding.Mesh to split attention over (models/sharding.py), or None on one device.
 
         Returns the output [num_tokens, hidden] and the pages holding this step's K/V.
         """
@@ -75,10 +75,14 @@ class Attention(nnx.Module):
         qk = rope.apply(qkv[:, :, : g + 1], cos, sin)  # q and k rotate together: one fused op
         q = qk[:, :, :g].reshape(x.shape[0], c.num_heads, c.head_dim)
         k, v = qk[:, :, g], qkv[:, :, g + 1]  # [num_tokens, num_kv_heads, head_dim]
-        k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, metadata.slot_mapping, k, v, kv_layout)
-        out = kernels_pallas.paged_attention(
-            q, k_pages, v_pages, metadata, scale=c.head_dim**-0.5, backend=attn_backend, layout=kv_layout
-        )
+
+        def attend(q, k, v, k_pages, v_pages, metadata):
+            k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, metadata.slot_mapping, k, v, kv_layout)
+            out = kernels_pallas.paged_attention(q, k_pages, v_pages, metadata, scale=c.head_dim**-0.5,
+                                                 backend=attn_backend, layout=kv_layout)
+            return out, k_pages, v_pages
+
+        out, k_pages, v_pages = per_kv_head(attend, mesh, kv_layout)(q, k, v, k_pages, v_pages, metadata)
         return out.reshape(x.shape[0], -1) @ self.o[...], k_pages, v_pages
 
 
@@ -102,21 +106,22 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str,
-                 kv_layout: str):
+                 kv_layout: str, mesh=None):
         """Shapes as Attention.__call__; returns (x, k_pages, v_pages)."""
         attn, k_pages, v_pages = self.attn(self.input_norm(x), cos, sin, k_pages, v_pages, metadata, attn_backend,
-                                           kv_layout)
+                                           kv_layout, mesh)
         x = x + attn
         return x + self.mlp(self.post_attention_norm(x)), k_pages, v_pages
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend", "kv_layout"))
-def _decoder_layer(graphdef, state, x, cos, sin, k_pages, v_pages, metadata, *, attn_backend: str, kv_layout: str):
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend", "kv_layout", "mesh"))
+def _decoder_layer(graphdef, state, x, cos, sin, k_pages, v_pages, metadata, *, attn_backend: str, kv_layout: str,
+                   mesh=None):
     """DecoderLayer.__call__ as a function of its state, jitted on its own: every layer has the same
     structure and shapes, so inside the step all share one trace and one lowering, and tracing the
     step costs one layer, not num_layers (seconds at each start-up). XLA inlines the calls again when
     it compiles, so the compiled step is the same."""
-    return nnx.merge(graphdef, state)(x, cos, sin, k_pages, v_pages, metadata, attn_backend, kv_layout)
+    return nnx.merge(graphdef, state)(x, cos, sin, k_pages, v_pages, metadata, attn_backend, kv_layout, mesh)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -138,6 +143,7 @@ class LlamaForCausalLM(nnx.Module):
         logits_indices: jax.Array,
         *,
         attn_backend: str = "auto",
+        mesh=None,
     ) -> tuple[jax.Array, KVCache]:
         """One engine step over a flat ragged batch.
 
@@ -145,6 +151,7 @@ class LlamaForCausalLM(nnx.Module):
         positions: int32 [num_tokens], each token's position in its sequence.
         kv_cache: pages of every layer, in kv_cache.layout.
         logits_indices: int32 [num_seqs], rows of the flat batch whose logits are wanted.
+        mesh: the jax.sharding.Mesh the parameters and pages are split over, or None (one device).
         Returns logits float32 [num_seqs, vocab] and the cache holding this step's K/V.
         """
         cos, sin = rope.cos_sin(positions, rope.inv_freq(self.config))
@@ -152,7 +159,7 @@ class LlamaForCausalLM(nnx.Module):
         ks, vs = [], []
         for layer, k_pages, v_pages in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             x, k_pages, v_pages = _decoder_layer(*nnx.split(layer), x, cos, sin, k_pages, v_pages, metadata,
-                                                 attn_backend=attn_backend, kv_layout=kv_cache.layout)
+                                                 attn_backend=attn_backend, kv_layout=kv_cache.layout, mesh=mesh)
             ks.append(k_pages)
             vs.append(v_pages)
         # Only the sampled rows go through the final norm and the lm_head, the largest matmul.

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 
-from models import converted, gguf_reader, gguf_tokenizer
+from models import converted, gguf_reader, gguf_tokenizer, sharding
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 
@@ -182,9 +183,13 @@ def convert(
     return buffers
 
 
-def assemble(config: ModelConfig, params: converted.Params, *, dtype) -> LlamaForCausalLM:
+def assemble(config: ModelConfig, params: converted.Params, *, dtype, mesh: Mesh | None = None) -> LlamaForCausalLM:
     """The model holding `params` (state path -> array of the state's shape, in `dtype`).
 
+    With a mesh, each parameter goes from the host straight into its shards on the mesh's devices (a
+    model that fits only across them loads; none is ever whole on one device), and the model is
+    built with its KV heads copied as the mesh needs (sharding.kv_head_replicas): its `config` then
+    counts the copies.
     Raises ValueError if a parameter is missing or has another shape or dtype.
     """
     graphdef, flat = _abstract_state(config, dtype)
@@ -193,15 +198,40 @@ def assemble(config: ModelConfig, params: converted.Params, *, dtype) -> LlamaFo
         if value is None or value.shape != var.shape or value.dtype != var.dtype:
             got = "missing" if value is None else f"{value.dtype}{list(value.shape)}"
             raise ValueError(f"parameter {'.'.join(map(str, path))}: {got}, expected {var.dtype}{list(var.shape)}")
-    state = nnx.from_flat_state([(path, var.replace(jnp.asarray(params[path]))) for path, var in flat])
-    return nnx.merge(graphdef, state)
+    if mesh is None:
+        state = nnx.from_flat_state([(path, var.replace(jnp.asarray(params[path]))) for path, var in flat])
+        return nnx.merge(graphdef, state)
+    replicas = sharding.kv_head_replicas(config, mesh.size)
+    graphdef, flat = _abstract_state(sharding.with_kv_replicas(config, replicas), dtype)
+
+    def put(path, var):
+        value = params[path]
+        if path[-1] in ("qkv", "qkv_bias"):
+            value = sharding.replicate_kv_heads(np.asarray(value), replicas)
+        return var.replace(jax.device_put(value, sharding.param_sharding(mesh, var.get_metadata()["out_sharding"],
+                                                                          value.shape)))
+
+    return nnx.merge(graphdef, nnx.from_flat_state([(path, put(path, var)) for path, var in flat]))
+
+
+def shard_model(model: LlamaForCausalLM, mesh: Mesh) -> LlamaForCausalLM:
+    """`model` split over `mesh` as `assemble` splits a loaded one (its config then counts the KV
+    heads' copies); a model already on `mesh` is returned as it is. The parameters pass through the
+    host: this is for a model built in memory, where they are whole on one device already."""
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    if all(isinstance(var.get_value().sharding, NamedSharding) and var.get_value().sharding.mesh == mesh
+           for _, var in params):
+        return model
+    dtype = jnp.result_type(*(var.get_value() for _, var in params))
+    return assemble(model.config, {path: np.asarray(var.get_value()) for path, var in params}, dtype=dtype, mesh=mesh)
 
 
 def build_model(
-    config: ModelConfig, files: Iterable[tuple[Path, Iterator[tuple[str, np.ndarray]]]], *, dtype, source: Path
+    config: ModelConfig, files: Iterable[tuple[Path, Iterator[tuple[str, np.ndarray]]]], *, dtype, source: Path,
+    mesh: Mesh | None = None,
 ) -> LlamaForCausalLM:
-    """A model whose every parameter comes from `files`, as `convert` reads them."""
-    return assemble(config, convert(config, files, dtype=dtype, source=source), dtype=dtype)
+    """A model whose every parameter comes from `files`, as `convert` reads them, placed as `assemble` does."""
+    return assemble(config, convert(config, files, dtype=dtype, source=source), dtype=dtype, mesh=mesh)
 
 
 def resolve(name_or_path: str | Path) -> Path:
@@ -255,14 +285,15 @@ def _folder_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _load_gguf(path: Path, dtype) -> LoadedModel:
+def _load_gguf(path: Path, dtype, mesh: Mesh | None) -> LoadedModel:
     # The conversion is kept by file (size and modification time), dtype and save format.
     stat = path.stat()
     saved = cache_dir() / "models" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{dtype.name}-v{converted.FORMAT}"
-    if (hit := converted.load(saved, dtype)) is not None:
+    # With a mesh the parameters stay on the host until assemble puts them into their shards.
+    if (hit := converted.load(saved, dtype, on_device=mesh is None)) is not None:
         config, params, tokenizer = hit
         try:
-            return LoadedModel(assemble(config, params, dtype=dtype), config, tokenizer)
+            return _loaded(assemble(config, params, dtype=dtype, mesh=mesh), tokenizer)
         except ValueError:
             shutil.rmtree(saved, ignore_errors=True)  # saved by a version whose model was laid out otherwise
     reader = gguf.GGUFReader(path)
@@ -274,8 +305,13 @@ def _load_gguf(path: Path, dtype) -> LoadedModel:
     # Run on what a later run will load, where saving worked: memory-mapped parameters are committed
     # to the CPU device, and that is part of the compiled step's key, so only then does this run's
     # compile serve the next runs.
-    config, params, tokenizer = converted.load(saved, dtype) or (config, params, tokenizer)
-    return LoadedModel(assemble(config, params, dtype=dtype), config, tokenizer)
+    config, params, tokenizer = converted.load(saved, dtype, on_device=mesh is None) or (config, params, tokenizer)
+    return _loaded(assemble(config, params, dtype=dtype, mesh=mesh), tokenizer)
+
+
+def _loaded(model: LlamaForCausalLM, tokenizer) -> LoadedModel:
+    # The model's own config: on a mesh it counts the KV heads' copies, which the engine's cache holds.
+    return LoadedModel(model, model.config, tokenizer)
 
 
 def load_tokenizer(name_or_path: str | Path = DEFAULT_MODEL):
@@ -286,8 +322,10 @@ def load_tokenizer(name_or_path: str | Path = DEFAULT_MODEL):
     return _folder_tokenizer(path)
 
 
-def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32) -> LoadedModel:
+def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32, mesh: Mesh | None = None) -> LoadedModel:
     """Model, config and tokenizer from a short name (MODELS), a Hugging Face folder or a .gguf file.
+
+    mesh: split the parameters over it as they load (tensor parallelism; see `assemble`).
 
     Parameters are stored in `dtype` (float32, the fast one on CPU, or bfloat16); GGUF tensors are
     dequantized first, once: the converted model is kept in the cache directory (converted.py).
@@ -297,7 +335,7 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32) -
         raise ValueError(f"unsupported parameter dtype {dtype}; expected float32 or bfloat16")
     path = resolve(name_or_path)
     if path.suffix == ".gguf" and not path.is_dir():
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, mesh)
     if not path.is_dir():
         raise ValueError(f"{path}: neither a Hugging Face model folder nor a .gguf file")
     config_file = path / "config.json"
@@ -305,4 +343,4 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32) -
         raise FileNotFoundError(f"{config_file}: missing; a Hugging Face model folder needs one")
     config = ModelConfig.from_hf_config(json.loads(config_file.read_text()), source=str(config_file))
     files = [(file, _safetensors_tensors(file)) for file in _safetensors_files(path)]
-    return LoadedModel(build_model(config, files, dtype=dtype, source=path), config, _folder_tokenizer(path))
+    return _loaded(build_model(config, files, dtype=dtype, source=path, mesh=mesh), _folder_tokenizer(path))

@@ -42,6 +42,8 @@ class EngineConfig:
     # How each layer's K/V pages are laid out (kernels_pallas/layout.py): token-major
     # [num_blocks, block_size, kv_heads, head_dim] or head-major [num_blocks, kv_heads, block_size, head_dim].
     kv_layout: str = "token_major"
+    # Devices the model's heads and MLP are split over (models/sharding.py); on a GPU the KV budget is per device.
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self):
@@ -51,7 +53,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
 
         for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len"):
+                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
             positive(name)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -124,7 +126,8 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     """Settle the run-time values: context length from the model, dtype from the weights, attention
     backend from the platform, block count from the memory budget.
 
-    model_config: a models.ModelConfig; device: where the engine runs (`default_device()`);
+    model_config: a models.ModelConfig, as the engine runs it (KV heads' copies counted, as
+        models.sharding lays them out); device: one of the devices the engine runs on;
     weights_dtype: the model's parameter dtype.
     """
     dtype = jnp.dtype(weights_dtype).name if config.dtype == "auto" else config.dtype
@@ -142,8 +145,12 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     wanted = config.max_model_len or model_config.max_model_len
     num_blocks = config.num_blocks
     if num_blocks is None:
-        per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
-                                    model_config.head_dim, dtype)
+        # The budget is per device where each has memory of its own (a GPU holds its share of the KV
+        # heads); devices on the host (the CPU) share its memory, so their budget is shared too.
+        kv_heads = model_config.num_kv_heads
+        if platform == "gpu":
+            kv_heads //= config.tensor_parallel_size
+        per_block = bytes_per_block(model_config.num_layers, config.block_size, kv_heads, model_config.head_dim, dtype)
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
         num_blocks = min(kv_cache_budget(config, device) // per_block,
                          4 * -(-wanted // config.block_size) * config.max_num_seqs) + 1

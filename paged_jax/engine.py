@@ -12,9 +12,11 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 import models
-from models.loader import cache_dir
+from models.loader import cache_dir, shard_model
+from models.sharding import make_mesh
 from paged_jax import beam_search
 from paged_jax.block_manager import BlockManager
 from paged_jax.config import EngineConfig, default_device, default_dtype, resolve
@@ -63,12 +65,25 @@ def _enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def _mesh(config: EngineConfig) -> Mesh | None:
+    """The mesh the engine splits the model over, or None on one device."""
+    return make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+
+
 class LLMEngine:
     def __init__(self, model, model_config, tokenizer, config: EngineConfig | None = None):
-        """model: a models.LlamaForCausalLM on the default device (where the engine runs);
-        tokenizer: a transformers tokenizer."""
+        """model: a models.LlamaForCausalLM on the default device (where the engine runs), or already
+        split over the engine's mesh (models.load_model(..., mesh=...)); tokenizer: a transformers tokenizer.
+
+        With tensor_parallel_size N > 1 the engine runs on the first N devices, the model split over
+        them (models/sharding.py); model_config is then the split model's (KV heads' copies counted).
+        """
         _enable_compilation_cache()
         self.config = config or EngineConfig()
+        mesh = _mesh(self.config)
+        if mesh is not None:
+            model = shard_model(model, mesh)
+            model_config = dataclasses.replace(model_config, num_kv_heads=model.config.num_kv_heads)
         self.model_config = model_config
         self.tokenizer = tokenizer
         weights_dtype = jnp.result_type(*jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -77,7 +92,7 @@ class LLMEngine:
         # A fallback is slower by a wide margin: said where a user sees it, not only in the stats.
         logger.log(logging.WARNING if attention.fallback else logging.INFO, "attention backend %s: %s",
                    attention.backend, attention.reason)
-        self.runner = ModelRunner(model, model_config, self.config, self.resolved)
+        self.runner = ModelRunner(model, model_config, self.config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
@@ -97,7 +112,7 @@ class LLMEngine:
             raise TypeError("give either an EngineConfig or its fields as keywords, not both")
         config = config or EngineConfig(**options)
         dtype = default_dtype(default_device().platform) if config.dtype == "auto" else config.dtype
-        loaded = models.load_model(model, dtype=jnp.dtype(dtype))
+        loaded = models.load_model(model, dtype=jnp.dtype(dtype), mesh=_mesh(config))
         return cls(loaded.model, loaded.config, loaded.tokenizer, config)
 
     # Requests.

@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
+from models import sharding
 from paged_jax import sampling
 from paged_jax.batch import StepInput, build_step_input
 from paged_jax.buckets import bucket, pad_to_bucket
@@ -22,19 +24,20 @@ from paged_jax.config import EngineConfig, ResolvedConfig
 from paged_jax.scheduler import ScheduledSeq
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend"), donate_argnames=("kv_cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend", "mesh"), donate_argnames=("kv_cache",))
 def step(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, step_input: StepInput,
-         sampling_tensors: sampling.SamplingTensors, *, attn_backend: str):
+         sampling_tensors: sampling.SamplingTensors, *, attn_backend: str, mesh: Mesh | None = None):
     """The model over one flat batch, then the sampler on each sequence's last new token.
 
     kv_cache: every layer's pages, donated (updated in place; do not reuse the one passed in).
     attn_backend: a concrete backend (kernels_pallas.BACKENDS, not "auto": the caller knows the
         platform it compiles for, the trace does not).
+    mesh: the mesh that state and kv_cache are split over (tensor parallelism), or None.
     Returns (SamplerOutput with S rows, the cache holding the step's K/V).
     """
     model = nnx.merge(graphdef, state)
     logits, kv_cache = model(step_input.input_ids, step_input.positions, kv_cache, step_input.metadata,
-                             step_input.logits_indices, attn_backend=attn_backend)
+                             step_input.logits_indices, attn_backend=attn_backend, mesh=mesh)
     return sampling.sample(logits, sampling_tensors), kv_cache
 
 
@@ -55,8 +58,10 @@ def _write_blocks(kv_cache: KVCache, ids: jax.Array, k: tuple, v: tuple) -> KVCa
 
 
 class ModelRunner:
-    def __init__(self, model, model_config, config: EngineConfig, resolved: ResolvedConfig):
+    def __init__(self, model, model_config, config: EngineConfig, resolved: ResolvedConfig, mesh: Mesh | None = None):
+        """mesh: what the model is split over (tensor parallelism); the KV cache is split over it too."""
         self.graphdef, self.state = nnx.split(model)
+        self.mesh = mesh
         self.model_config = model_config
         self.config = config
         self._num_blocks = resolved.num_blocks
@@ -65,9 +70,13 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
 
     def _new_kv_cache(self) -> KVCache:
+        if self.mesh is None:
+            allocate = allocate_pages
+        else:
+            allocate = functools.partial(jnp.zeros, device=sharding.pages_sharding(self.mesh, self.config.kv_layout))
         return init_kv_cache(self.model_config.num_layers, self._num_blocks, self.config.block_size,
                              self.model_config.num_kv_heads, self.model_config.head_dim, self._kv_dtype,
-                             layout=self.config.kv_layout, allocate=allocate_pages)
+                             layout=self.config.kv_layout, allocate=allocate)
 
     def restore_kv_cache(self) -> bool:
         """After a failed call: whether the failure took the KV cache, and if so a fresh one in its place.
@@ -103,7 +112,7 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             self.model_config.eos_token_ids,
             pad_rows_to=step_input.logits_indices.shape[0])
-        return (self.graphdef, self.state, self.kv_cache, step_input, tensors), dict(attn_backend=self.attention_backend)
+        return (self.graphdef, self.state, self.kv_cache, step_input, tensors), dict(attn_backend=self.attention_backend, mesh=self.mesh)
 
     # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks.
 

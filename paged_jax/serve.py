@@ -43,6 +43,7 @@ _HELP = {
     "dtype": "parameter and KV-cache dtype",
     "attention_backend": "paged-attention implementation",
     "kv_layout": "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]",
+    "tensor_parallel_size": "devices to split the model's heads and MLP over (tensor parallelism)",
     "seed": "engine seed, for requests without their own",
 }
 

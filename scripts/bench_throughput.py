@@ -1,16 +1,23 @@
 """Offline throughput on a shared workload (default ../shared/workloads/w1.json), default model.
 
-    python scripts/bench_throughput.py [--json out/w1.json]
+    python scripts/bench_throughput.py [--json out/w1.json] [--tensor-parallel-size N]
 
 Prints output and total tokens/s over the wall time of a run after a warm-up run, model FLOP
 utilisation against a matmul peak measured in the same process in the engine's dtype, peak KV blocks
 in use and how full their slots were, preemptions, and compiles after warm-up. Where the workload file
 is missing, W1 is made again from its recipe (../shared/workloads/README.md).
+
+With --tensor-parallel-size N > 1 it also runs the workload's first requests again under the JAX
+profiler and reports the time per step spent in collectives (all-reduce, all-gather, ...), averaged
+over the devices. On the CPU a collective's time includes waiting for the slowest device to arrive.
+To try N devices on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
 
 import argparse
 import json
 import pathlib
+import re
+import tempfile
 import time
 
 import jax
@@ -32,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
+    p.add_argument("--profile-requests", type=int, default=8,
+                   help="with tensor parallelism: requests of the profiled run that times collectives")
     p.add_argument("--no-warmup", action="store_true", help="time the first run, compiles included")
     p.add_argument("--json", help="write the figures to this path")
     return p.parse_args(argv)
@@ -93,13 +103,43 @@ def run_once(engine: LLMEngine, requests, params) -> tuple[float, int]:
     return time.perf_counter() - start, produced
 
 
+_COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|nccl", re.I)
+
+
+def collective_ms_per_step(engine: LLMEngine, requests, params) -> tuple[float, int]:
+    """(ms per step per device in collective ops, steps) over a run of `requests` under the profiler.
+
+    Events are read from the device planes where there are any (a GPU), else from the host's XLA
+    threads (the CPU, where every device runs on the host)."""
+    from jax.profiler import ProfileData
+
+    steps = 0
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        try:
+            for i, r in enumerate(requests):
+                engine.add_request(r["prompt_token_ids"], params[i])
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+        finally:
+            jax.profiler.stop_trace()
+        planes = [ProfileData.from_file(str(path)).planes for path in pathlib.Path(folder).rglob("*.xplane.pb")][0]
+    device = [p for p in planes if p.name.startswith("/device:")]
+    lines = [line for p in device for line in p.lines] if device else [
+        line for p in planes if p.name.startswith("/host:") for line in p.lines if line.name.startswith("tf_XLA")]
+    total_ns = sum(event.duration_ns for line in lines for event in line.events if _COLLECTIVE.search(event.name))
+    return total_ns / 1e6 / max(steps, 1) / engine.config.tensor_parallel_size, steps
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     workload = load_workload(args.workload)
     requests = workload["requests"][: args.num_requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], ignore_eos=True) for r in requests]
     engine = LLMEngine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                                       max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
+                                       max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                                       tensor_parallel_size=args.tensor_parallel_size)
     if not args.no_warmup:
         run_once(engine, requests, params)
         engine.blocks.reset_prefix_cache()  # the timed run must compute every prompt again
@@ -130,7 +170,13 @@ def main(argv=None) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
+    if args.tensor_parallel_size > 1:
+        engine.blocks.reset_prefix_cache()
+        n = args.profile_requests
+        ms, steps = collective_ms_per_step(engine, requests[:n], params[:n])
+        figures |= {"collective_ms_per_step": round(ms, 2), "profiled_steps": steps}
     for name, value in figures.items():
         print(f"{name:>24}: {value}")
     if args.json:

@@ -19,6 +19,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts-file", help="one prompt a line, all batched through the engine")
     p.add_argument("--model", default="smollm2-135m", help="short name, GGUF file or Hugging Face folder")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -40,7 +41,8 @@ def main(argv=None) -> int:
                                 seed=args.seed, max_tokens=args.max_tokens)
     except ValueError as e:
         sys.exit(f"generate.py: {e}")
-    llm = LLM.from_engine(LLMEngine.from_pretrained(args.model, dtype=args.dtype))
+    llm = LLM.from_engine(LLMEngine.from_pretrained(args.model, dtype=args.dtype,
+                                                           tensor_parallel_size=args.tensor_parallel_size))
     texts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
     prompts = texts if args.no_chat_template else [llm.chat_prompt([{"role": "user", "content": t}]) for t in texts]
 

@@ -87,3 +87,18 @@ def test_default_device_follows_jax_default_device():
     with jax.default_device("cpu"):
         assert default_device() == cpu
     assert default_device() == jax.devices()[0]
+
+
+def test_tensor_parallel_budget_is_per_gpu_and_shared_on_the_host():
+    """Each of 2 GPUs holds one of TINY_LLAMA's 2 KV heads, so the same budget buys twice the blocks;
+    devices on the host share its memory, and its budget."""
+    gpu = fake_device("gpu", {"bytes_limit": 20 * MiB, "bytes_in_use": 2 * MiB})
+    one = resolve(EngineConfig(), TINY_LLAMA, gpu, jnp.bfloat16)
+    two = resolve(EngineConfig(tensor_parallel_size=2), TINY_LLAMA, gpu, jnp.bfloat16)
+    assert two.num_blocks - 1 == (int(0.9 * 20 * MiB) - 2 * MiB) // (per_block(jnp.bfloat16) // 2)
+    assert two.num_blocks - 1 >= 2 * (one.num_blocks - 1)
+    host = [resolve(EngineConfig(max_num_seqs=8192, tensor_parallel_size=n), TINY_LLAMA, fake_device("cpu"), jnp.float32)
+            for n in (1, 2)]
+    assert host[0].num_blocks == host[1].num_blocks == HOST_KV_CACHE_MEMORY_BYTES // per_block(jnp.float32) + 1
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
