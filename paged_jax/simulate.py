@@ -2,7 +2,7 @@
 tables: jittable, and vmappable over workloads.
 
 Each step, in order:
-1. arrived requests are admitted first-come first-served (the queue's head is never overtaken) while
+1. arrived requests are admitted in arrival order (the first waiting is never overtaken) while
    fewer than max_running run and the pool can give each the blocks of max(prompt, reserve) tokens;
 2. every running request computes one token (decode); a request whose reservation is used up takes
    a block at each block boundary. When the pool cannot give them all, the newest admitted request is
@@ -83,21 +83,27 @@ def simulate(workload: Workload, *, num_blocks: int, block_size: int, max_blocks
         generated=jnp.zeros(num_requests, jnp.int32), admitted=jnp.zeros(num_requests, jnp.int32),
         num_admitted=jnp.zeros((), jnp.int32), finish_step=jnp.full(num_requests, -1, jnp.int32))
 
-    def admit(i, carry):
-        state, blocked, step = carry
-        wants = ((state.status[i] == WAITING) & (workload.arrival_steps[i] <= step) & ~blocked
-                 & (jnp.sum(state.status == RUNNING) < max_running))
+    def admit(carry):
+        """Admit the first waiting arrived request, if it fits; blocked when it does not."""
+        state, _, step = carry
+        i = jnp.argmax(waiting(state, step))
         tokens = jnp.maximum(workload.prompt_lens[i], workload.reserve_tokens[i])
-        table, pool, ok = page_table.append_tokens(state.table, state.pool, jnp.where(wants, i, -1)[None],
-                                                   tokens[None], max_new_blocks=max_blocks_per_seq)
-        admitted = wants & ok
+        table, pool, ok = page_table.append_tokens(state.table, state.pool, i[None], tokens[None],
+                                                   max_new_blocks=max_blocks_per_seq)
         state = dataclasses.replace(
             state, table=table, pool=pool,
-            status=state.status.at[i].set(jnp.where(admitted, RUNNING, state.status[i])),
-            held=state.held.at[i].set(jnp.where(admitted, workload.prompt_lens[i], state.held[i])),
-            admitted=state.admitted.at[i].set(jnp.where(admitted, state.num_admitted, state.admitted[i])),
-            num_admitted=state.num_admitted + admitted)
-        return state, blocked | (wants & ~ok), step
+            status=state.status.at[i].set(jnp.where(ok, RUNNING, WAITING)),
+            held=state.held.at[i].set(jnp.where(ok, workload.prompt_lens[i], 0)),
+            admitted=state.admitted.at[i].set(state.num_admitted),
+            num_admitted=state.num_admitted + 1)
+        return state, ~ok, step
+
+    def admitting(carry):
+        state, blocked, step = carry
+        return ~blocked & jnp.any(waiting(state, step)) & (jnp.sum(state.status == RUNNING) < max_running)
+
+    def waiting(state, step):
+        return (state.status == WAITING) & (workload.arrival_steps <= step)
 
     def grow(state):
         """Each running request's next token: (state, ok), nothing changed unless ok."""
@@ -119,7 +125,8 @@ def simulate(workload: Workload, *, num_blocks: int, block_size: int, max_blocks
         return grown, ok, preempted + 1
 
     def step_fn(state, step):
-        state, _, _ = jax.lax.fori_loop(0, num_requests, admit, (state, jnp.array(False), step))
+        # One request per iteration, so a step costs what it admits, not the whole queue.
+        state, _, _ = jax.lax.while_loop(admitting, admit, (state, jnp.array(False), step))
         grown, ok = grow(state)
         # A lone running request always fits (max_blocks_per_seq fits the pool), so this ends.
         state, _, preempted = jax.lax.while_loop(lambda c: ~c[1], preempt_newest, (grown, ok, jnp.int32(0)))
