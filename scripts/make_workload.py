@@ -20,7 +20,8 @@ def make_workload(num_requests: int = 200, seed: int = 0, *, prompt_median: int 
     """W1's fields: requests[i].prompt_token_ids, requests[i].max_new_tokens; token ids in [1000, 40000)."""
     rng = np.random.default_rng(seed)
     systems = [rng.integers(1000, 40000, size=int(n)).tolist() for n in rng.integers(40, 300, size=num_system_prompts)]
-    prompts = np.clip(rng.lognormal(np.log(prompt_median), sigma, num_requests), 4, max_len // 2).astype(int)
+    # Room for the longest system prompt (300 tokens), so that no request exceeds max_len.
+    prompts = np.clip(rng.lognormal(np.log(prompt_median), sigma, num_requests), 4, max_len // 2 - 300).astype(int)
     outputs = np.clip(rng.lognormal(np.log(output_median), sigma, num_requests), 4, max_len // 2).astype(int)
     requests = []
     for i, (n, m) in enumerate(zip(prompts, outputs)):
