@@ -17,12 +17,10 @@ Every request arrives at once (offline) and generates exactly its max_new_tokens
 """
 
 import argparse
-import functools
 import json
 import pathlib
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
@@ -49,7 +47,8 @@ def simulate_allocation(prompts: np.ndarray, outputs: np.ndarray, block_size: in
     """prompts, outputs: int [requests]. Figures of one allocation policy over one workload."""
     reserve = {"on demand": np.zeros_like(prompts), "request": prompts + outputs,
                "context": np.full_like(prompts, max_model_len)}[reservation]
-    workload = simulate.Workload(*(jnp.asarray(a, jnp.int32) for a in (prompts, outputs, np.zeros_like(prompts), reserve)))
+    arrays = (prompts, outputs, np.zeros_like(prompts), reserve)
+    workload = simulate.Workload(*(jnp.asarray(a, jnp.int32) for a in arrays))
     # Enough steps for the slowest policy: list scheduling on the fewest sequences that fit ends within
     # (all output / that count + the longest output); twice that leaves room for what preemption
     # recomputes. Checked below.
@@ -114,7 +113,8 @@ def compare(workload: dict, *, block_sizes, kv_tokens: int, max_model_len: int, 
 COLUMNS = [("allocation", "allocation", "{}"), ("used", "KV reserved holding tokens", "{:.1%}"),
            ("peak_seqs", "most sequences at once", "{}"), ("mean_seqs", "mean sequences", "{:.1f}"),
            ("steps", "steps to drain (sim)", "{}"), ("sim_preemptions", "preemptions (sim)", "{}"),
-           ("preemptions", "preemptions (Scheduler)", "{}"), ("prefix_hit", "prompt tokens from prefix cache", "{:.1%}"),
+           ("preemptions", "preemptions (Scheduler)", "{}"),
+           ("prefix_hit", "prompt tokens from prefix cache", "{:.1%}"),
            ("tokens_per_s", "measured tokens/s", "{:.1f}")]
 
 

@@ -159,7 +159,8 @@ def engine_check(args, workload: dict, cost: StepCost, setting: Setting, num: in
                                       for r in workload["requests"][:num]])
     requests = requests_for(subset, args.rate, setting.pattern, args.seed)
     priorities = np.array([r.priority for r in requests])
-    config = dataclasses.replace(setting.engine_config(args.block_size), num_blocks=1 + setting.kv_tokens // args.block_size)
+    num_blocks = 1 + setting.kv_tokens // args.block_size
+    config = dataclasses.replace(setting.engine_config(args.block_size), num_blocks=num_blocks)
     engine = LLMEngine.from_pretrained(args.model, config)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.max_tokens) for r in requests]
     LLM.from_engine(engine).generate([list(r.prompt_token_ids) for r in requests], params, use_tqdm=False)  # compiles
@@ -258,7 +259,8 @@ def main(argv=None) -> None:
     headline = [r for r in rows if all(r[k] == v for k, v in base.items())]
     columns = ["policy", "pattern", "ttft_p50", "ttft_p99", "ttft_p50_urgent", "tpot_p50", "tpot_p99", "e2e_p50",
                "e2e_p99", "throughput", "preemptions", "queue_max"]
-    text = [f"Headline configuration: {base} (seconds; throughput in output tokens/s)\n\n" + markdown(headline, columns)]
+    text = [f"Headline configuration: {base} (seconds; throughput in output tokens/s)\n\n"
+            + markdown(headline, columns)]
     best = {}
     for r in rows:
         key = (r["policy"], r["pattern"])

@@ -42,7 +42,8 @@ def test_requests_are_served_in_the_policy_order(policy):
 
 
 def _seq(seq_id: int, prompt_len: int, priority: int) -> Sequence:
-    return Sequence(seq_id=seq_id, request_id=str(seq_id), token_ids=list(range(1000 * seq_id, 1000 * seq_id + prompt_len)),
+    return Sequence(seq_id=seq_id, request_id=str(seq_id),
+                    token_ids=list(range(1000 * seq_id, 1000 * seq_id + prompt_len)),
                     num_prompt_tokens=prompt_len, params=SamplingParams(max_tokens=8), seed=0,
                     arrival_time=float(seq_id), priority=priority)
 

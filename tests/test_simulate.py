@@ -32,7 +32,8 @@ def test_vmap_over_a_thousand_workloads_equals_a_loop():
     for i in range(NUM_WORKLOADS):
         one = run(jax.tree.map(lambda x: x[i], workloads))
         for name in ("blocks_in_use", "tokens_held", "num_running", "num_preempted", "finish_step"):
-            np.testing.assert_array_equal(getattr(batched, name)[i], getattr(one, name), err_msg=f"{name}, workload {i}")
+            np.testing.assert_array_equal(getattr(batched, name)[i], getattr(one, name),
+                                          err_msg=f"{name}, workload {i}")
     # The small pool makes some workloads preempt, and the loop agreed on those too.
     assert int(simulate.oom_events(batched).sum()) > 0
 
