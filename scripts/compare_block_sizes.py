@@ -17,6 +17,7 @@ Every request arrives at once (offline) and generates exactly its max_new_tokens
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import time
@@ -127,10 +128,13 @@ def markdown(rows: list[dict]) -> str:
 
 
 def plot(results: dict[str, list[dict]], path: pathlib.Path) -> None:
-    fig = Figure(figsize=(10, 3.2 * len(results)))
+    fig = Figure(figsize=(10, 3.2 * len(results)), layout="constrained")
     axes = fig.subplots(len(results), 2, squeeze=False)
     for (name, rows), (left, right) in zip(results.items(), axes):
-        labels = [r["allocation"].replace("contiguous, ", "").replace("paged, block ", "paged ")[:22] for r in rows]
+        short = {"paged, block ": "paged ", "contiguous, prompt + max_tokens (TGI)": "TGI",
+                 "contiguous, max_model_len": "static", " (static)": ""}
+        labels = [functools.reduce(lambda label, kv: label.replace(*kv), short.items(), r["allocation"])
+                  for r in rows]
         y = np.arange(len(rows))
         left.barh(y, [100 * r["used"] for r in rows], color="tab:blue")
         left.set(yticks=y, yticklabels=labels, xlim=(0, 100), xlabel="KV reserved holding tokens (%)", title=name)
