@@ -206,7 +206,7 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
 
 
 def plot(rows: list[dict], queues: dict[str, Replay], path: pathlib.Path) -> None:
-    fig = Figure(figsize=(11, 3.6))
+    fig = Figure(figsize=(13, 4), layout="constrained")
     left, middle, right = fig.subplots(1, 3)
     for policy, result in queues.items():
         left.step(result.step_time, result.queue_depth, where="post", label=policy)
