@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend
+from paged_jax.policy import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
 # The KV budget where no device reports its memory (the CPU): what a laptop can spare.
@@ -35,6 +36,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Who is admitted first and who gives way (policy.py); "priority" lets requests carry a priority.
+    scheduling_policy: Literal["fcfs", "priority", "shortest_prompt_first"] = "fcfs"
     # Of the KV cache, and of the weights `LLMEngine.from_pretrained` loads. "auto": bfloat16 on a GPU,
     # float32 (the fast dtype there) on the CPU; for a model handed to the engine, its weights' dtype.
     dtype: str = "auto"
@@ -59,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in BACKENDS:

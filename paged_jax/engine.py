@@ -118,9 +118,15 @@ class LLMEngine:
     # Requests.
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids). Everything is checked here, never inside a step."""
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a prompt (text or token ids). Everything is checked here, never inside a step.
+
+        priority: under scheduling_policy "priority", lower runs first; any other policy refuses a
+        priority other than 0 (as vLLM does), rather than silently ignoring it."""
         params = params or SamplingParams()
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} given, but scheduling_policy is "
+                             f"{self.config.scheduling_policy!r}, not 'priority'")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.use_beam_search:
@@ -159,7 +165,7 @@ class LLMEngine:
         now = time.monotonic()
         seq = Sequence(seq_id=seq_id, request_id=request_id, token_ids=list(token_ids),
                        num_prompt_tokens=len(token_ids), params=seq_params, seed=seed,
-                       arrival_time=now, forks=1 if params.use_beam_search else params.n)
+                       arrival_time=now, priority=priority, forks=1 if params.use_beam_search else params.n)
         self._requests[request_id] = _Request(request_id, text, list(token_ids), params, [seq], now)
         self.scheduler.add(seq)
         return request_id

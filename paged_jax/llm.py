@@ -36,20 +36,25 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """prompts: a text, a list of token ids, or a list of either. sampling_params: one for all, or
-        one per prompt. Every request is checked before any runs: one bad prompt fails the call and
-        leaves the engine as it was."""
+        one per prompt. priority: one per prompt, for scheduling_policy "priority" (lower runs first).
+        Every request is checked before any runs: one bad prompt fails the call and leaves the engine
+        as it was."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(prompt, params))
+            for prompt, params, rank in zip(prompts, sampling_params, priority):
+                ids.append(self.engine.add_request(prompt, params, priority=rank))
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)

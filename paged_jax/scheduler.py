@@ -4,9 +4,10 @@ Each step the scheduler
 1. forks a request with n > 1 into its samples once their shared prompt is computed;
 2. gives every running sequence its next tokens (a decode token, or the next chunk of a prompt) and
    the blocks they land in, a private copy included where a fork still shares the block, preempting
-   the most recently admitted sequences when the pool runs short;
-3. admits waiting sequences first-come first-served while free blocks, max_num_seqs and the token
-   budget allow (the queue's head waits rather than being overtaken, so nothing starves).
+   the last in the policy's order (under FCFS the most recently admitted) when the pool runs short;
+3. admits waiting sequences in the policy's order (FCFS by default, policy.py) while free blocks,
+   max_num_seqs and the token budget allow (the queue's head waits rather than being overtaken, so
+   under FCFS nothing starves).
 
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
@@ -24,6 +25,7 @@ from typing import Protocol
 
 from paged_jax.block_manager import BlockManager
 from paged_jax.config import EngineConfig
+from paged_jax.policy import sort_key
 from paged_jax.sequence import Sequence, Status
 
 
@@ -66,6 +68,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._key = sort_key(config.scheduling_policy)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -78,6 +81,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[], copies=[], preempted=[], forked=self._fork_ready())
+        if self._key is not None:
+            # Stable sorts: ties keep the order of events (forks behind their parent, preempted first).
+            self.waiting = collections.deque(sorted(self.waiting, key=self._key))
+            self.running.sort(key=self._key)
         budget = self.config.max_num_batched_tokens
 
         i = 0
@@ -131,8 +138,9 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Give seq the blocks its num_new more tokens land in: those it lacks, and a private copy of
-        the partly filled block they start in if a fork still shares it. Preempts the newest sequences
-        (possibly seq itself) until the pool can; False when seq was preempted."""
+        the partly filled block they start in if a fork still shares it. Preempts the last running
+        sequences in the policy's order (possibly seq itself) until the pool can; False when seq was
+        preempted."""
         missing = self._blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
         # Counted again after each preemption: the victim may have been what shared the block.
         while not self.blocks.can_allocate(missing + (self._shared_tail(seq) is not None)):

@@ -24,6 +24,8 @@ class Sequence:
     seed: int
     arrival_time: float
     index: int = 0  # which of the request's n samples
+    # Under the "priority" policy a lower value runs first (vLLM's); 0 under the others.
+    priority: int = 0
     status: Status = Status.WAITING
     block_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0

@@ -40,6 +40,7 @@ _HELP = {
     "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts over steps, beside decodes",
     "preemption_mode": "how a sequence gives way when the KV cache runs short",
+    "scheduling_policy": "who is admitted first and preempted last (priority: lower value first)",
     "dtype": "parameter and KV-cache dtype",
     "attention_backend": "paged-attention implementation",
     "kv_layout": "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]",

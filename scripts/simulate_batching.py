@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from kernels_pallas.layout import bytes_per_block
-from paged_jax import block_pool, page_table
+from paged_jax import block_pool, page_table, simulate
 from paged_jax.page_table import blocks_for_tokens
 
 
@@ -32,26 +32,19 @@ def continuous_blocks_in_use(output_lengths: list[int], block_size: int) -> np.n
     """int [steps]: blocks in use at each step when blocks are taken on demand and freed at finish.
 
     All requests start at step 1 with no prompt and generate one token a step; a step's count is
-    taken after its appends, before the requests that finished in it are released.
+    taken after its appends, before the requests that finished in it are released (simulate.py).
     """
     num_seqs, steps = len(output_lengths), max(output_lengths)
     max_blocks = blocks_for_tokens(steps, block_size)
-    table = page_table.init_page_table(num_seqs, max_blocks, block_size)
-    pool = block_pool.init_pool(1 + num_seqs * max_blocks)
-    lengths = np.array(output_lengths)
-    rows = np.arange(num_seqs)
-    in_use = []
-    for step in range(1, steps + 1):
-        running = jnp.array(np.where(lengths >= step, rows, -1), jnp.int32)
-        table, pool, appended = page_table.append_tokens(
-            table, pool, running, jnp.ones(num_seqs, jnp.int32), max_new_blocks=num_seqs
-        )
-        in_use.append(int(block_pool.num_in_use(pool)))
-        finished = jnp.array(np.where(lengths == step, rows, -1), jnp.int32)
-        table, pool, released = page_table.release(table, pool, finished)
-        if not (appended and released):
-            raise RuntimeError(f"block pool refused step {step}; it is sized to hold every request")
-    return np.array(in_use)
+    none = jnp.zeros(num_seqs, jnp.int32)
+    workload = simulate.Workload(prompt_lens=none, output_lens=jnp.array(output_lengths, jnp.int32),
+                                 arrival_steps=none, reserve_tokens=none)
+    # A pool that holds every request at its longest, so nothing is ever preempted.
+    result = simulate.simulate(workload, num_blocks=1 + num_seqs * max_blocks, block_size=block_size,
+                               max_blocks_per_seq=max_blocks, num_steps=steps, max_running=num_seqs)
+    if int(simulate.oom_events(result)):
+        raise RuntimeError("block pool ran out; it is sized to hold every request")
+    return np.asarray(result.blocks_in_use)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
