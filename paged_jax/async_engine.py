@@ -133,6 +133,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     stream: RequestStream
+    priority: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,12 +211,14 @@ class AsyncLLMEngine:
     # The caller's side (any thread with an event loop).
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                          request_id: str | None = None, *, timeout: float | None = None) -> RequestStream:
+                          request_id: str | None = None, *, timeout: float | None = None,
+                          priority: int = 0) -> RequestStream:
         """Hand a request to the engine; returns its stream once the engine has accepted it.
 
         Raises what LLMEngine.add_request raises for a bad request (ValueError, TypeError), QueueFullError
         when the waiting queue is full, EngineDeadError when the loop has stopped. timeout: seconds from
-        now until the stream ends the request with finish_reason "timeout".
+        now until the stream ends the request with finish_reason "timeout". priority: as
+        LLMEngine.add_request takes it (scheduling_policy "priority": lower runs first).
         """
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
@@ -230,7 +233,7 @@ class AsyncLLMEngine:
             self._num_inbox_adds += 1
         stream = RequestStream(self, request_id, params, () if isinstance(prompt, str) else prompt, loop,
                                None if timeout is None else loop.time() + timeout)
-        self._inbox.put(_Add(request_id, prompt, params, stream))
+        self._inbox.put(_Add(request_id, prompt, params, stream, priority))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -239,9 +242,10 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, *, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, timeout: float | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; leaving the loop early (or aclose()) aborts it."""
-        stream = await self.add_request(prompt, params, request_id, timeout=timeout)
+        stream = await self.add_request(prompt, params, request_id, timeout=timeout, priority=priority)
         try:
             async for output in stream:
                 yield output
@@ -249,7 +253,8 @@ class AsyncLLMEngine:
             stream.close()
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks before the next step; unknown ids are ignored."""
+        """Stop a request and free its blocks before the next step; its stream ends with finish_reason
+        "abort". Unknown ids are ignored."""
         self._abort(request_id, "abort")
 
     def _abort(self, request_id: str, reason: str) -> None:
@@ -301,7 +306,7 @@ class AsyncLLMEngine:
     def _add(self, command: _Add) -> None:
         stream = command.stream
         try:
-            self.engine.add_request(command.prompt, command.params, command.request_id)
+            self.engine.add_request(command.prompt, command.params, command.request_id, command.priority)
         except Exception as e:  # the request's own fault (a bad prompt, a tokenizer error): it fails alone
             error = e
         else:
@@ -314,15 +319,15 @@ class AsyncLLMEngine:
             self._num_waiting += error is None
         self._call(stream, _settle, stream.accepted, error)
 
-    def _drop(self, request_id: str, reason: str, *, tell_stream: bool = False) -> None:
-        """Abort a request the loop holds; its blocks are free before the next step."""
+    def _drop(self, request_id: str, reason: str) -> None:
+        """Abort a request the loop holds; its blocks are free before the next step, and its stream
+        ends with `reason` (a stream that already ended, by close() or its deadline, ignores it)."""
         live = self._live.pop(request_id, None)
         if live is None:
             return
         self.engine.abort_request(request_id)
         self._iteration.finished.append(live.finished(reason, time.monotonic()))
-        if tell_stream:
-            self._call(live.stream, live.stream._put, reason)
+        self._call(live.stream, live.stream._put, reason)
 
     def _step(self) -> bool:
         """One engine step; whether it ran any token."""
@@ -398,7 +403,7 @@ class AsyncLLMEngine:
     def _end_all(self) -> None:
         """On stop: running requests end with "abort", requests still in the inbox are refused."""
         for request_id in list(self._live):
-            self._drop(request_id, "abort", tell_stream=True)
+            self._drop(request_id, "abort")
         while True:
             try:
                 command = self._inbox.get_nowait()

@@ -22,6 +22,7 @@ from paged_jax.block_manager import BlockManager
 from paged_jax.config import EngineConfig, default_device, default_dtype, resolve
 from paged_jax.model_runner import ModelRunner
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged_jax.policy import check_priority
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 from paged_jax.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from paged_jax.sequence import Sequence
@@ -124,9 +125,7 @@ class LLMEngine:
         priority: under scheduling_policy "priority", lower runs first; any other policy refuses a
         priority other than 0 (as vLLM does), rather than silently ignoring it."""
         params = params or SamplingParams()
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} given, but scheduling_policy is "
-                             f"{self.config.scheduling_policy!r}, not 'priority'")
+        check_priority(self.config.scheduling_policy, priority)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.use_beam_search:

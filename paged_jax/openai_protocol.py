@@ -98,6 +98,8 @@ class SamplingRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    priority: int = Field(0, description="Under --scheduling-policy priority, lower runs first (and is "
+                                         "preempted last); any other policy accepts only 0.")
     # paged-jax's own.
     request_timeout: float | None = Field(
         None, gt=0, description="Seconds this request may take, within the server's --request-timeout.")

@@ -24,6 +24,7 @@ from paged_jax.openai_protocol import (AssistantMessage, ChatCompletionChoice, C
                                        TokenizeChatRequest, TokenizeResponse, TokenLogprob, TopLogprob, UsageInfo,
                                        random_id)
 from paged_jax.outputs import CompletionOutput, RequestOutput
+from paged_jax.policy import check_priority
 from paged_jax.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -345,10 +346,15 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options needs stream set to true", "stream_options")
         timeout = self._timeout(request)
+        try:
+            check_priority(self.engine.engine.config.scheduling_policy, request.priority)
+        except ValueError as e:
+            raise bad_request(str(e), "priority") from e
         streams = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                streams.append(await self.engine.add_request(prompt.token_ids, p, f"{response_id}-{i}", timeout=timeout))
+                streams.append(await self.engine.add_request(prompt.token_ids, p, f"{response_id}-{i}",
+                                                             timeout=timeout, priority=request.priority))
         except BaseException as e:
             for stream in streams:
                 stream.close()

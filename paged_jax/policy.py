@@ -35,3 +35,9 @@ def sort_key(policy: str) -> SortKey | None:
     if policy not in _KEYS:
         raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
     return _KEYS[policy]
+
+
+def check_priority(policy: str, priority: int) -> None:
+    """Refuse a priority the policy would ignore (any but 0 outside "priority"), as vLLM does."""
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority {priority} given, but scheduling_policy is {policy!r}, not 'priority'")

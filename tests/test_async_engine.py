@@ -158,3 +158,35 @@ def test_a_bad_request_fails_alone(engine):
         return await good
 
     assert asyncio.run(run()).finished
+
+
+def test_priority_orders_the_waiting_requests(engine, tiny_chat_model):
+    loaded = tiny_chat_model
+    config = EngineConfig(**OPTIONS | dict(max_num_seqs=1), scheduling_policy="priority")
+    prioritised = AsyncLLMEngine(LLMEngine(loaded.model, loaded.config, loaded.tokenizer, config))
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    done = []
+
+    async def run():
+        first = asyncio.ensure_future(final(prioritised, [60] * 8, LONG, request_id="first"))
+        await wait_until(lambda: prioritised.scheduler_stats.num_running == 1)
+
+        async def one(name, priority):
+            await final(prioritised, [61 + priority] * 8, short, request_id=name, priority=priority)
+            done.append(name)
+
+        # All three wait behind the running one, queued in the reverse of their priority; then it leaves.
+        rest = [asyncio.ensure_future(one(f"p{p}", p)) for p in (2, 1, 0)]
+        await wait_until(lambda: prioritised.scheduler_stats.num_waiting == 3)
+        prioritised.abort("first")
+        assert (await first).outputs[0].finish_reason == "abort"  # its reader hears of the abort
+        await asyncio.gather(*rest)
+        # The engine that serves first come, first served refuses a priority rather than ignore it.
+        with pytest.raises(ValueError, match="priority"):
+            await engine.add_request([1, 2], short, priority=1)
+
+    try:
+        asyncio.run(run())
+    finally:
+        prioritised.shutdown()
+    assert done == ["p0", "p1", "p2"]

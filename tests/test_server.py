@@ -142,6 +142,7 @@ BAD = [
     ("unsupported parameter", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ("unknown parameter", {"prompt": "hi", "frobnicate": True}, 400, "frobnicate"),
     ("best_of above n", {"prompt": "hi", "best_of": 4}, 400, "best_of"),
+    ("priority under first come, first served", {"prompt": "hi", "priority": 1}, 400, "scheduling_policy"),
     ("timeout above the cap", {"prompt": "hi", "request_timeout": 1000}, 400, "request_timeout"),
     ("oversized body", {"prompt": "x" * MAX_BYTES}, 413, str(MAX_BYTES)),
 ]
