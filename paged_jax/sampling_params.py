@@ -3,6 +3,8 @@
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 # Temperatures below this are greedy, as in vLLM: dividing by them would overflow float32 logits.
 SAMPLING_EPS = 1e-5
 # Most top logprobs a request may ask for (vLLM's default `max_logprobs`); the sampler always
@@ -61,6 +63,10 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def _check_ranges(self):
+        # The sampler computes in float32: an infinite or NaN factor there turns logits into NaNs.
+        for name in ("temperature", "repetition_penalty", "length_penalty"):
+            if not abs(getattr(self, name)) <= _FLOAT32_MAX:
+                _bad(name, getattr(self, name), "must be a finite number within float32's range")
         if self.n < 1:
             _bad("n", self.n, "must be at least 1")
         if self.temperature < 0:
@@ -102,6 +108,9 @@ class SamplingParams:
         # n greedy samples would be n copies of one sequence (vLLM refuses them too).
         if self.greedy and self.n > 1:
             _bad("n", self.n, "must be 1 with greedy sampling (temperature 0)")
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _bad(name: str, value, why: str):

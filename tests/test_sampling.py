@@ -44,6 +44,10 @@ BAD_PARAMS = [
     dict(min_tokens=-1),
     dict(min_tokens=17),  # above the default max_tokens of 16
     dict(repetition_penalty=0.0),
+    dict(repetition_penalty=float("nan")),
+    dict(temperature=float("inf")),
+    dict(temperature=1e300),
+    dict(length_penalty=float("nan"), use_beam_search=True, n=2, temperature=0.0),
     dict(presence_penalty=2.5),
     dict(presence_penalty=-2.5),
     dict(frequency_penalty=-2.1),
