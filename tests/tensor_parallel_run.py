@@ -121,6 +121,24 @@ def cuda_lowering() -> dict:
                 donated=len(re.findall(r"tf.aliasing_output|jax.buffer_donor", text)))
 
 
+def busy_devices() -> int:
+    """Four prompts of a SmolLM2-like model on 3 devices with the C++ attention kernel: steps whose
+    matmuls keep XLA's intra-op threads busy while every device calls the kernel. Returns the steps run.
+    (The kernel used to wait for helper tasks queued behind the other devices' calls, for ever.)"""
+    config = dataclasses.replace(TINY_LLAMA, hidden_size=192, intermediate_size=512, vocab_size=1024, num_layers=4,
+                                 num_heads=9, num_kv_heads=3, head_dim=64)
+    engine = LLMEngine(random_model(config), config, None,
+                       EngineConfig(num_blocks=200, block_size=16, max_num_seqs=4, tensor_parallel_size=3,
+                                    attention_backend="cpu"))
+    for i, n in enumerate((441, 338, 277, 161)):
+        engine.add_request([(7 * i + 3 * t) % 300 for t in range(n)], PARAMS)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps
+
+
 def main(names: list[str]) -> None:
     print(json.dumps({name: run(name) for name in names} | {"cuda": cuda_lowering()}))
 

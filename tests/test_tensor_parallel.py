@@ -21,14 +21,26 @@ import tensor_parallel_run as tp  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_forced(code: str, devices: int, timeout: float) -> str:
+    """stdout of `code` run with tests/ importable on `devices` forced host devices."""
+    env = os.environ | {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"}
+    run = subprocess.run([sys.executable, "-c", "import sys; sys.path[:0] = ['tests']; " + code], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = os.environ | {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
-    code = "import sys; sys.path[:0] = ['tests']; import tensor_parallel_run; tensor_parallel_run.main(sys.argv[1:])"
-    run = subprocess.run([sys.executable, "-c", code, *tp.RUNS], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    runs = ", ".join(map(repr, tp.RUNS))
+    out = run_forced(f"import tensor_parallel_run; tensor_parallel_run.main([{runs}])", 4, timeout=600)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_cpu_kernel_on_busy_host_devices_finishes():
+    # About 3 s when it works; it used to hang (a SmolLM2 run on 3 devices never finished).
+    out = run_forced("import tensor_parallel_run; print(tensor_parallel_run.busy_devices())", 3, timeout=120)
+    assert int(out.split()[-1]) >= tp.PARAMS.max_tokens
 
 
 def reference(name: str) -> str:
