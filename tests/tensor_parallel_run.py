@@ -62,10 +62,20 @@ def collectives(engine: LLMEngine) -> list[list]:
     return [[op, [int(d) for d in shape.split(",") if d]] for shape, op in found]
 
 
-def run(name: str) -> dict:
+def make_engine(name: str, **extra) -> LLMEngine:
     config_name, options = RUNS[name]
     config = CONFIGS[config_name]
-    engine = LLMEngine(random_model(config), config, None, EngineConfig(**OPTIONS, **options))
+    return LLMEngine(random_model(config), config, None, EngineConfig(**OPTIONS, **options | extra))
+
+
+def run(name: str) -> dict:
+    """The workload through the engine of run `name`, and what its runner compiled and placed."""
+    engine = make_engine(name)
+    return drive(engine) | placement(engine)
+
+
+def drive(engine: LLMEngine) -> dict:
+    """The workload's greedy tokens, and the counters that show what was in play."""
     compiles = engine.runner.num_compiles
     for prompt in PROMPTS:
         engine.add_request(prompt, PARAMS)
@@ -79,15 +89,20 @@ def run(name: str) -> dict:
             engine.add_request(SHARED, PARAMS, request_id="shared")
             shared_added = True
     stats = engine.stats()
-    runner = engine.runner
-    qkv = runner.state["layers"][0]["attn"]["qkv"].get_value()
     return dict(
         tokens=tokens,
-        compiles=runner.num_compiles - compiles,
+        compiles=engine.runner.num_compiles - compiles,
         preemptions=stats.num_preemptions,
         prefix_hit_blocks=stats.prefix_cache_hit_blocks,
         free_blocks=engine.blocks.num_free + engine.blocks.num_evictable,
         num_blocks=engine.blocks.num_blocks,
+    )
+
+
+def placement(engine: LLMEngine) -> dict:
+    runner = engine.runner
+    qkv = runner.state["layers"][0]["attn"]["qkv"].get_value()
+    return dict(
         kv_heads=engine.model_config.num_kv_heads,
         # What device 0 holds: its share of the q/k/v weight and of a layer's pages.
         qkv_shard=list(qkv.addressable_shards[0].data.shape),
