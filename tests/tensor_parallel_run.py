@@ -99,6 +99,17 @@ def drive(engine: LLMEngine) -> dict:
     )
 
 
+def assert_same_tokens(got: dict, want: dict, swap: bool) -> None:
+    """Two drives of the workload sampled the same greedy tokens, with what it exercises in play on
+    both sides (a swapped sequence comes back with its blocks, not from the prefix cache)."""
+    assert len(got["tokens"]) == len(PROMPTS) + 1
+    assert got["tokens"] == want["tokens"]
+    for run in (got, want):
+        assert run["preemptions"] > 0
+        assert run["prefix_hit_blocks"] > 0 or swap
+        assert run["free_blocks"] == run["num_blocks"] - 1, "every block back in the pool"
+
+
 def placement(engine: LLMEngine) -> dict:
     runner = engine.runner
     qkv = runner.state["layers"][0]["attn"]["qkv"].get_value()
