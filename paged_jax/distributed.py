@@ -101,7 +101,7 @@ def initialize(config: DistributedConfig) -> None:
     """Join the group, before anything else touches JAX. On the CPU the processes' collectives go over gloo."""
     global _config, _name
     _name = f"process {config.process_id}" if config.process_id is not None else _name
-    if "jax_cpu_collectives_implementation" in jax.config.values:
+    with contextlib.suppress(AttributeError):  # the option JAX 0.10 has (gloo its default); a later JAX may not
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = config.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or "the environment's address"
     # JAX aborts with a bare DEADLINE_EXCEEDED when it gives up: give up a little before it, and say why.

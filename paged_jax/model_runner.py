@@ -74,7 +74,9 @@ class ModelRunner:
 
     def _new_kv_cache(self) -> KVCache:
         if self.mesh is None:
-            allocate = allocate_pages
+            # Committed to its device (without a copy), as the step returns it where the weights are
+            # committed (memory-mapped ones are): else the first step compiles again on the used cache.
+            allocate = lambda shape, dtype: jax.device_put(pages := allocate_pages(shape, dtype), pages.sharding)
         else:
             allocate = functools.partial(jnp.zeros, device=sharding.pages_sharding(self.mesh, self.config.kv_layout))
         return init_kv_cache(self.model_config.num_layers, self._num_blocks, self.config.block_size,
