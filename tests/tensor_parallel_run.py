@@ -8,6 +8,7 @@ import json
 import re
 import sys
 import types
+from pathlib import Path
 
 import jax
 
@@ -165,8 +166,18 @@ def busy_devices() -> int:
     return steps
 
 
+def collective_ms_per_step() -> float:
+    """bench_throughput's figure for the kv2 model on 2 devices, over two prompts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_throughput
+
+    requests = [dict(prompt_token_ids=prompt) for prompt in PROMPTS[:2]]
+    return bench_throughput.collective_ms_per_step(make_engine("kv2-tp2"), requests, [PARAMS] * 2)[0]
+
+
 def main(names: list[str]) -> None:
-    print(json.dumps({name: run(name) for name in names} | {"cuda": cuda_lowering()}))
+    print(json.dumps({name: run(name) for name in names} | {"cuda": cuda_lowering(),
+                                                            "collective_ms": collective_ms_per_step()}))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,10 @@ def test_step_all_reduces_activations_and_gathers_no_weight(results, name):
     assert results[reference(name)]["collectives"] == []
 
 
+def test_bench_throughput_finds_the_collectives_time(results):
+    assert results["collective_ms"] > 0
+
+
 def test_sharded_step_lowers_for_cuda_with_the_pallas_kernel(results):
     cuda = results["cuda"]
     assert cuda["backend"] == "pallas" and cuda["triton"], "the step must call the Pallas Triton kernel"
