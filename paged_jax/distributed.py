@@ -112,6 +112,8 @@ def initialize(config: DistributedConfig) -> None:
                                    heartbeat_timeout_seconds=config.timeout, shutdown_timeout_seconds=config.timeout)
     _config = config
     _name = f"process {jax.process_index()} of {jax.process_count()}"
+    # Before JAX's own exit handler (they run last registered first), whose shutdown waits for every process.
+    atexit.register(stop_followers)
 
 
 def is_leader() -> bool:
@@ -136,14 +138,12 @@ def agree(num_blocks: int, described: object) -> int:
     global _followers_waiting
     if jax.process_count() == 1:
         return num_blocks
-    mine = np.array([num_blocks, zlib.crc32(repr(described).encode())], np.int64)
+    mine = np.array([num_blocks, zlib.crc32(repr(described).encode()) & 0x7FFFFFFF], np.int32)
     rows = _guarded("agreeing on the engine", multihost_utils.process_allgather, mine)
     if len(set(rows[:, 1].tolist())) > 1:
         raise ValueError(f"the processes of the group were given different engine options or models: {described}")
-    if is_leader() and not _followers_waiting:
-        # From here on the followers build their runner and follow it: tell them when to stop.
-        _followers_waiting = True
-        atexit.register(stop_followers)
+    # From here on the followers build their runner and follow it, until the leader says stop.
+    _followers_waiting = is_leader()
     return int(rows[:, 0].min())
 
 
