@@ -14,9 +14,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <latch>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -141,6 +143,32 @@ void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const fl
   }
 }
 
+// The helpers of one kernel call: those that enter before close_and_wait run, and it waits for them.
+class Join {
+ public:
+  bool enter() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return false;
+    ++running_;
+    return true;
+  }
+  void leave() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--running_ == 0) idle_.notify_all();
+  }
+  void close_and_wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    closed_ = true;
+    idle_.wait(lock, [this] { return running_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable idle_;
+  int running_ = 0;
+  bool closed_ = false;
+};
+
 ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                              ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
                              ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
@@ -185,11 +213,20 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
                  lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq], w, scale, out->typed_data());
     }
   };
+  // Wait only for the helpers that started before the work ran out, never for one still queued: the
+  // pool may be busy with calls like this one (several devices of one host, each on a pool thread),
+  // each of which would otherwise wait for helpers queued behind the others, for ever. A helper that
+  // starts late touches nothing but the shared `join`, which outlives this call.
   const int helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), (int64_t)items.size() - 1));
-  std::latch done(helpers);
-  for (int t = 0; t < helpers; ++t) pool.Schedule([&] { work(); done.count_down(); });
+  auto join = std::make_shared<Join>();
+  for (int t = 0; t < helpers; ++t)
+    pool.Schedule([join, &work] {
+      if (!join->enter()) return;
+      work();
+      join->leave();
+    });
   work();
-  done.wait();
+  join->close_and_wait();
   return ffi::Error::Success();
 }
 

@@ -208,8 +208,10 @@ def assemble(config: ModelConfig, params: converted.Params, *, dtype, mesh: Mesh
         value = params[path]
         if path[-1] in ("qkv", "qkv_bias"):
             value = sharding.replicate_kv_heads(np.asarray(value), replicas)
-        return var.replace(jax.device_put(value, sharding.param_sharding(mesh, var.get_metadata()["out_sharding"],
-                                                                          value.shape)))
+        placed = sharding.param_sharding(mesh, var.get_metadata()["out_sharding"], value.shape)
+        # Each of this process's devices takes its slice of the host array (a memory-mapped file reads
+        # only those); with many processes, each places its own shards and no process sends any.
+        return var.replace(jax.make_array_from_callback(value.shape, placed, lambda index: np.asarray(value[index])))
 
     return nnx.merge(graphdef, nnx.from_flat_state([(path, put(path, var)) for path, var in flat]))
 

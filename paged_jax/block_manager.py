@@ -18,7 +18,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._cpu = jax.devices("cpu")[0]
+        self._cpu = jax.local_devices(backend="cpu")[0]  # this process's, in a group of processes
         with jax.default_device(self._cpu):
             self.pool = block_pool.init_pool(num_blocks)
         self.cache = PrefixCache() if enable_prefix_caching else None

@@ -97,11 +97,12 @@ class Device(Protocol):
 
 
 def default_device() -> jax.Device:
-    """The device new arrays and jitted calls go to: `jax.default_device`'s if set, else the first."""
+    """The device new arrays and jitted calls go to: `jax.default_device`'s if set, else this
+    process's first."""
     device = jax.config.jax_default_device
     if isinstance(device, str):
-        return jax.devices(device)[0]
-    return device or jax.devices()[0]
+        return jax.local_devices(backend=device)[0]
+    return device or jax.local_devices()[0]
 
 
 def default_dtype(platform: str) -> str:

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 import models
 from models.loader import cache_dir, shard_model
 from models.sharding import make_mesh
-from paged_jax import beam_search
+from paged_jax import beam_search, distributed
 from paged_jax.block_manager import BlockManager
 from paged_jax.config import EngineConfig, default_device, default_dtype, resolve
 from paged_jax.model_runner import ModelRunner
@@ -30,7 +30,6 @@ from paged_jax.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 _MAX_SEED = 2**31 - 1
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,7 +66,9 @@ def _enable_compilation_cache() -> None:
 
 
 def _mesh(config: EngineConfig) -> Mesh | None:
-    """The mesh the engine splits the model over, or None on one device."""
+    """The mesh the engine splits the model over, or None on one device. In a group of processes
+    (distributed.py) it spans every process's devices."""
+    distributed.check_mesh_size(config.tensor_parallel_size)
     return make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
 
 
@@ -89,6 +90,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         weights_dtype = jnp.result_type(*jax.tree.leaves(nnx.state(model, nnx.Param)))
         self.resolved = resolve(self.config, model_config, default_device(), weights_dtype)
+        # In a group of processes each holds a share of one cache: the fewest blocks any has room for.
+        num_blocks = distributed.agree(self.resolved.num_blocks, (self.config, model_config))
+        if num_blocks != self.resolved.num_blocks:
+            self.resolved = resolve(dataclasses.replace(self.config, num_blocks=num_blocks), model_config,
+                                    default_device(), weights_dtype)
         attention = self.resolved.attention
         # A fallback is slower by a wide margin: said where a user sees it, not only in the stats.
         logger.log(logging.WARNING if attention.fallback else logging.INFO, "attention backend %s: %s",

@@ -4,6 +4,9 @@ The KV cache is donated to every call that changes it, so XLA updates its pages 
 sends back only what the sampler picked (one device-to-host transfer). `step` is the one jitted step;
 `ModelRunner.step_args` gives what the engine passes it, so the same step can be lowered for another
 platform (tests lower it for CUDA on a CPU machine).
+
+The methods that touch the device take host arrays only and are `distributed.replicated`: in a group
+of processes (many hosts), the leader's call is made on every follower too, each on its own shards.
 """
 
 import dataclasses
@@ -17,7 +20,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import sharding
-from paged_jax import sampling
+from paged_jax import distributed, sampling
 from paged_jax.batch import StepInput, build_step_input
 from paged_jax.buckets import bucket, pad_to_bucket
 from paged_jax.config import EngineConfig, ResolvedConfig
@@ -71,7 +74,9 @@ class ModelRunner:
 
     def _new_kv_cache(self) -> KVCache:
         if self.mesh is None:
-            allocate = allocate_pages
+            # Committed to its device (without a copy), as the step returns it where the weights are
+            # committed (memory-mapped ones are): else the first step compiles again on the used cache.
+            allocate = lambda shape, dtype: jax.device_put(pages := allocate_pages(shape, dtype), pages.sharding)
         else:
             allocate = functools.partial(jnp.zeros, device=sharding.pages_sharding(self.mesh, self.config.kv_layout))
         return init_kv_cache(self.model_config.num_layers, self._num_blocks, self.config.block_size,
@@ -93,16 +98,10 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
-        if copies:
-            src, dst = np.asarray(copies, np.int32).T
-            self.kv_cache = copy_blocks(self.kv_cache, pad_to_bucket(src, 0), pad_to_bucket(dst, self._num_blocks))
-        args, keywords = self.step_args(scheduled)
-        sampled, self.kv_cache = step(*args, **keywords)
-        return jax.device_get(sampled)
+        return self.run_step(np.asarray(copies, np.int32).reshape(-1, 2), *self.host_inputs(scheduled))
 
-    def step_args(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict]:
-        """(args, keywords) that `execute` calls `step` with for these sequences: the graph, the
-        weights, the KV cache, the step's host arrays and sampling tensors; the attention backend."""
+    def host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInput, sampling.SamplingTensors]:
+        """The step's host arrays for these sequences: the flat batch and page tables, the sampling tensors."""
         step_input = build_step_input(scheduled, self.config.block_size)
         seqs = [s.seq for s in scheduled]
         tensors = sampling.make_sampling_tensors(
@@ -112,19 +111,48 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             self.model_config.eos_token_ids,
             pad_rows_to=step_input.logits_indices.shape[0])
-        return (self.graphdef, self.state, self.kv_cache, step_input, tensors), dict(attn_backend=self.attention_backend, mesh=self.mesh)
+        return step_input, tensors
+
+    def step_args(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict]:
+        """(args, keywords) that `execute` calls `step` with for these sequences: the graph, the
+        weights, the KV cache, the step's host arrays and sampling tensors; the attention backend."""
+        return self._step_args(*self.host_inputs(scheduled))
+
+    def _step_args(self, step_input: StepInput, tensors: sampling.SamplingTensors) -> tuple[tuple, dict]:
+        keywords = dict(attn_backend=self.attention_backend, mesh=self.mesh)
+        return (self.graphdef, self.state, self.kv_cache, step_input, tensors), keywords
+
+    @distributed.replicated
+    def run_step(self, copies: np.ndarray, step_input: StepInput,
+                 tensors: sampling.SamplingTensors) -> sampling.SamplerOutput:
+        """Copy blocks (copies: int32 [n, 2] rows of src, dst), then run the step; what it sampled, on the host."""
+        if len(copies):
+            src, dst = copies.T
+            self.kv_cache = copy_blocks(self.kv_cache, pad_to_bucket(src, 0), pad_to_bucket(dst, self._num_blocks))
+        args, keywords = self._step_args(step_input, tensors)
+        sampled, self.kv_cache = step(*args, **keywords)
+        return distributed.to_host(sampled)
 
     # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks.
 
     def swap_out(self, block_ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Each layer's K and V blocks [len(block_ids), ...] in the cache's layout, on the host."""
-        ids = np.asarray(block_ids, np.int32)
-        return jax.device_get(([k[ids] for k in self.kv_cache.k], [v[ids] for v in self.kv_cache.v]))
+        """Each layer's K and V blocks [len(block_ids), ...] in the cache's layout, on the host (the
+        leader's, whole, in a group)."""
+        return self.read_blocks(np.asarray(block_ids, np.int32))
 
     def swap_in(self, saved: tuple[list[np.ndarray], list[np.ndarray]], block_ids: list[int]) -> None:
         n = len(block_ids)
         size = bucket(n)
         pad = lambda pages: np.concatenate([pages, np.zeros((size - n, *pages.shape[1:]), pages.dtype)])
         k, v = saved
-        ids = pad_to_bucket(block_ids, self._num_blocks)
-        self.kv_cache = _write_blocks(self.kv_cache, ids, tuple(map(pad, k)), tuple(map(pad, v)))
+        self.write_blocks(pad_to_bucket(block_ids, self._num_blocks), tuple(map(pad, k)), tuple(map(pad, v)))
+
+    @distributed.replicated
+    def read_blocks(self, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """ids: int32 [n] -> each layer's K and V blocks [n, ...], on the host."""
+        return distributed.to_host(([k[ids] for k in self.kv_cache.k], [v[ids] for v in self.kv_cache.v]))
+
+    @distributed.replicated
+    def write_blocks(self, ids: np.ndarray, k: tuple, v: tuple) -> None:
+        """ids: int32 [n], out of range = skip; k[l], v[l]: layer l's blocks [n, ...] (as read_blocks gives them)."""
+        self.kv_cache = _write_blocks(self.kv_cache, ids, k, v)

@@ -6,6 +6,9 @@
 Engine options take vLLM's flag names (--max-num-seqs, --block-size, --no-enable-prefix-caching, ...).
 SIGINT or SIGTERM stops accepting connections, lets running requests finish for --shutdown-timeout
 seconds, ends the rest with finish_reason "abort", and exits 0.
+
+On many hosts (docs/scaling.md), every process runs the same command with its --process-id; process 0
+serves, the others follow its steps.
 """
 
 import argparse
@@ -20,6 +23,7 @@ import uvicorn
 
 import models
 from kernels_pallas import BACKENDS, LAYOUTS
+from paged_jax import distributed
 from paged_jax.config import DTYPES, EngineConfig
 from paged_jax.engine import LLMEngine
 from paged_jax.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
@@ -77,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 type=int if field.default is None else type(field.default),
                                 metavar=flag[2:].upper().replace("-", "_") if field.name in _FLAG_NAMES else None,
                                 help=_HELP[field.name] + ("" if field.default is None else " (default: %(default)s)"))
+    distributed.add_arguments(p)
     args = p.parse_args(argv)
     try:
         args.engine_config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
@@ -92,7 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    distributed.initialize_from_args(args)
     engine = LLMEngine.from_pretrained(args.model, args.engine_config)
+    if distributed.is_follower():
+        distributed.follow(engine.runner)
+        return 0
     server = uvicorn.Server(uvicorn.Config(
         build_app(engine, args.server_config), host=args.host, port=args.port, log_level=args.log_level,
         access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout))

@@ -124,7 +124,10 @@ def collective_ms_per_step(engine: LLMEngine, requests, params) -> tuple[float, 
                 steps += 1
         finally:
             jax.profiler.stop_trace()
-        planes = [ProfileData.from_file(str(path)).planes for path in pathlib.Path(folder).rglob("*.xplane.pb")][0]
+        trace = next(pathlib.Path(folder).rglob("*.xplane.pb"))
+        # A list: the planes come as an iterator, which the search for device planes would use up (and
+        # every collective with it: the figure was always 0 on the CPU).
+        planes = list(ProfileData.from_file(str(trace)).planes)
     device = [p for p in planes if p.name.startswith("/device:")]
     lines = [line for p in device for line in p.lines] if device else [
         line for p in planes if p.name.startswith("/host:") for line in p.lines if line.name.startswith("tf_XLA")]

@@ -2,13 +2,16 @@
 
     python scripts/generate.py "Explain PagedAttention in one paragraph"
     python scripts/generate.py --prompts-file prompts.txt --max-tokens 64 --stats
+
+On many hosts (docs/scaling.md), every process runs the same command with its --process-id; process 0
+prints the answers, the others follow its steps.
 """
 
 import argparse
 import sys
 import time
 
-from paged_jax import LLMEngine, SamplingParams
+from paged_jax import LLMEngine, SamplingParams, distributed
 from paged_jax.config import DTYPES
 from paged_jax.llm import LLM
 
@@ -28,6 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as plain text")
     p.add_argument("--stats", action="store_true", help="print throughput and engine counters at the end")
+    distributed.add_arguments(p)
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.prompts_file is None):
         p.error("give either a prompt or --prompts-file")
@@ -41,8 +45,12 @@ def main(argv=None) -> int:
                                 seed=args.seed, max_tokens=args.max_tokens)
     except ValueError as e:
         sys.exit(f"generate.py: {e}")
-    llm = LLM.from_engine(LLMEngine.from_pretrained(args.model, dtype=args.dtype,
-                                                           tensor_parallel_size=args.tensor_parallel_size))
+    distributed.initialize_from_args(args)
+    engine = LLMEngine.from_pretrained(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    if distributed.is_follower():
+        distributed.follow(engine.runner)
+        return 0
+    llm = LLM.from_engine(engine)
     texts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
     prompts = texts if args.no_chat_template else [llm.chat_prompt([{"role": "user", "content": t}]) for t in texts]
 

@@ -8,6 +8,7 @@ import json
 import re
 import sys
 import types
+from pathlib import Path
 
 import jax
 
@@ -62,10 +63,20 @@ def collectives(engine: LLMEngine) -> list[list]:
     return [[op, [int(d) for d in shape.split(",") if d]] for shape, op in found]
 
 
-def run(name: str) -> dict:
+def make_engine(name: str, **extra) -> LLMEngine:
     config_name, options = RUNS[name]
     config = CONFIGS[config_name]
-    engine = LLMEngine(random_model(config), config, None, EngineConfig(**OPTIONS, **options))
+    return LLMEngine(random_model(config), config, None, EngineConfig(**OPTIONS, **options | extra))
+
+
+def run(name: str) -> dict:
+    """The workload through the engine of run `name`, and what its runner compiled and placed."""
+    engine = make_engine(name)
+    return drive(engine) | placement(engine)
+
+
+def drive(engine: LLMEngine) -> dict:
+    """The workload's greedy tokens, and the counters that show what was in play."""
     compiles = engine.runner.num_compiles
     for prompt in PROMPTS:
         engine.add_request(prompt, PARAMS)
@@ -79,15 +90,31 @@ def run(name: str) -> dict:
             engine.add_request(SHARED, PARAMS, request_id="shared")
             shared_added = True
     stats = engine.stats()
-    runner = engine.runner
-    qkv = runner.state["layers"][0]["attn"]["qkv"].get_value()
     return dict(
         tokens=tokens,
-        compiles=runner.num_compiles - compiles,
+        compiles=engine.runner.num_compiles - compiles,
         preemptions=stats.num_preemptions,
         prefix_hit_blocks=stats.prefix_cache_hit_blocks,
         free_blocks=engine.blocks.num_free + engine.blocks.num_evictable,
         num_blocks=engine.blocks.num_blocks,
+    )
+
+
+def assert_same_tokens(got: dict, want: dict, swap: bool) -> None:
+    """Two drives of the workload sampled the same greedy tokens, with what it exercises in play on
+    both sides (a swapped sequence comes back with its blocks, not from the prefix cache)."""
+    assert len(got["tokens"]) == len(PROMPTS) + 1
+    assert got["tokens"] == want["tokens"]
+    for run in (got, want):
+        assert run["preemptions"] > 0
+        assert run["prefix_hit_blocks"] > 0 or swap
+        assert run["free_blocks"] == run["num_blocks"] - 1, "every block back in the pool"
+
+
+def placement(engine: LLMEngine) -> dict:
+    runner = engine.runner
+    qkv = runner.state["layers"][0]["attn"]["qkv"].get_value()
+    return dict(
         kv_heads=engine.model_config.num_kv_heads,
         # What device 0 holds: its share of the q/k/v weight and of a layer's pages.
         qkv_shard=list(qkv.addressable_shards[0].data.shape),
@@ -121,8 +148,36 @@ def cuda_lowering() -> dict:
                 donated=len(re.findall(r"tf.aliasing_output|jax.buffer_donor", text)))
 
 
+def busy_devices() -> int:
+    """Four prompts of a SmolLM2-like model on 3 devices with the C++ attention kernel: steps whose
+    matmuls keep XLA's intra-op threads busy while every device calls the kernel. Returns the steps run.
+    (The kernel used to wait for helper tasks queued behind the other devices' calls, for ever.)"""
+    config = dataclasses.replace(TINY_LLAMA, hidden_size=192, intermediate_size=512, vocab_size=1024, num_layers=4,
+                                 num_heads=9, num_kv_heads=3, head_dim=64)
+    engine = LLMEngine(random_model(config), config, None,
+                       EngineConfig(num_blocks=200, block_size=16, max_num_seqs=4, tensor_parallel_size=3,
+                                    attention_backend="cpu"))
+    for i, n in enumerate((441, 338, 277, 161)):
+        engine.add_request([(7 * i + 3 * t) % 300 for t in range(n)], PARAMS)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps
+
+
+def collective_ms_per_step() -> float:
+    """bench_throughput's figure for the kv2 model on 2 devices, over two prompts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_throughput
+
+    requests = [dict(prompt_token_ids=prompt) for prompt in PROMPTS[:2]]
+    return bench_throughput.collective_ms_per_step(make_engine("kv2-tp2"), requests, [PARAMS] * 2)[0]
+
+
 def main(names: list[str]) -> None:
-    print(json.dumps({name: run(name) for name in names} | {"cuda": cuda_lowering()}))
+    print(json.dumps({name: run(name) for name in names} | {"cuda": cuda_lowering(),
+                                                            "collective_ms": collective_ms_per_step()}))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import types
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from kernels_pallas import layout
 from models.tiny import TINY_LLAMA, random_model
@@ -86,3 +87,19 @@ def test_float32_weights_over_a_bfloat16_cache_lower_too():
     text, resolved = lower_step_for_cuda("mixed", 16, jnp.float32, dtype="bfloat16")
     assert resolved.dtype == "bfloat16" and "__gpu$xla.gpu.triton" in text
     assert len(kv_cache_args(text, resolved, 16)) == 2 * TINY_LLAMA.num_layers
+
+
+def test_a_fresh_kv_cache_compiles_the_step_no_other_program_than_a_used_one():
+    # Weights committed to their device, as memory-mapped ones are (models/converted.py): the step's
+    # outputs, the KV cache among them, are committed then, and a fresh cache must be too, or the
+    # first batch's step compiles again when the used cache meets it.
+    model = random_model()
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.device_put(params, jax.local_devices()[0]))
+    config = EngineConfig(block_size=8, num_blocks=NUM_BLOCKS)
+    resolved = resolve(config, TINY_LLAMA, jax.local_devices()[0], jnp.float32)
+    runner = model_runner.ModelRunner(model, TINY_LLAMA, config, resolved)
+    runner.execute(scheduled("prefill", 8), [])
+    compiles = runner.num_compiles
+    runner.execute(scheduled("prefill", 8), [])
+    assert runner.num_compiles == compiles
