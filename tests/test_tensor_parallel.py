@@ -97,3 +97,27 @@ def test_sharded_step_lowers_for_cuda_with_the_pallas_kernel(results):
     assert cuda["manual"], "attention runs per device under shard_map"
     assert cuda["local_pages"] > 0, "the kernel reads one device's pages: 1 of the 4 KV heads"
     assert cuda["donated"] == 2 * tp.CONFIGS["kv2"].num_layers, "the KV cache is donated"
+
+
+SMOLLM2_TP = """
+import json, sys
+from paged_jax import LLM, SamplingParams
+prompts = ["The capital of France is", "PagedAttention keeps the KV cache in"]
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+tokens = {}
+for size in (1, 3):
+    llm = LLM("smollm2-135m", tensor_parallel_size=size, num_blocks=64, max_num_seqs=2)
+    tokens[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+print(json.dumps(tokens))
+"""
+
+
+def test_smollm2_on_three_devices_gives_the_one_device_tokens():
+    """The real model, whose 9 query and 3 KV heads split 3 ways (one KV head per device)."""
+    env = os.environ | {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3"}
+    run = subprocess.run([sys.executable, "-c", SMOLLM2_TP], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    tokens = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(tokens["1"]) == 2 and all(len(t) == 12 for t in tokens["1"])
+    assert tokens["3"] == tokens["1"]
