@@ -83,6 +83,9 @@ def hf_folder(model: str) -> pathlib.Path:
     fresh.load_state_dict(loaded.state_dict())
     partial = folder.with_name(folder.name + ".partial")
     fresh.save_pretrained(partial)
+    config = json.loads((partial / "config.json").read_text())
+    config.pop("quantization_config", None)  # the GGUF's: vLLM would take the folder for a quantized one
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)
     partial.rename(folder)
     return folder
