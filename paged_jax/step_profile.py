@@ -189,9 +189,16 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
 
 
 def _compiled_text(abstract) -> str:
+    """The optimized HLO of the step for these arguments (the traced run's op names point into it)."""
     graphdef, arrays, keywords = abstract
-    # The programs are in the persistent compilation cache (the engine turns it on): this loads them.
-    return model_runner.step.lower(graphdef, *arrays, **keywords).compile().as_text()
+    text = model_runner.step.lower(graphdef, *arrays, **keywords).compile().as_text()
+    if "kv_write" not in text or "attention" not in text:
+        # The persistent compilation cache's key leaves out op metadata: a program cached before the
+        # model's named scopes were added comes back without them.
+        raise RuntimeError("the compiled step lacks the model's named scopes 'attention' and 'kv_write': the "
+                           "persistent compilation cache holds it from older code; profile with a fresh one "
+                           "(JAX_COMPILATION_CACHE_DIR=/some/new/folder) or clear it")
+    return text
 
 
 def _parts_per_step(folder: str, num_steps: int) -> list[dict[tuple[str, str], float]]:
@@ -347,13 +354,13 @@ def format_profile(profile: dict) -> str:
         f"weights {p['weight_bytes'] / 1e6:.0f} MB, K/V {p['kv_bytes_per_token'] / 1e3:.1f} kB per token",
         f"all model steps: {share(p['parts_s'])}",
         "",
-        f"{'group':<14}{'steps':>6}{'s':>8}{'ms/step':>9}  {'parts of the time':<66}{'rate':>34}",
+        f"{'group':<15}{'steps':>6}{'s':>8}{'ms/step':>9}  {'parts of the time':<68}rate",
     ]
     for row in p["groups"]:
         if row["kind"] == "prefill":
             rate = f"{row['gflops']} GFLOP/s (matmuls alone {row['matmul_gflops']})"
         else:
             rate = f"{row['gbs']} GB/s (K/V in attention {row['kv_gbs_in_attention']})"
-        lines.append(f"{row['kind'] + ' ' + row['bucket']:<14}{row['steps']:>6}{row['seconds']:>8.2f}"
-                     f"{row['ms_per_step']:>9.1f}  {share(row['parts_s']):<66}{rate:>34}")
+        lines.append(f"{row['kind'] + ' ' + row['bucket']:<15}{row['steps']:>6}{row['seconds']:>8.2f}"
+                     f"{row['ms_per_step']:>9.1f}  {share(row['parts_s']):<68}{rate}")
     return "\n".join(lines)
