@@ -77,9 +77,12 @@ class Attention(nnx.Module):
         k, v = qk[:, :, g], qkv[:, :, g + 1]  # [num_tokens, num_kv_heads, head_dim]
 
         def attend(q, k, v, k_pages, v_pages, metadata):
-            k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, metadata.slot_mapping, k, v, kv_layout)
-            out = kernels_pallas.paged_attention(q, k_pages, v_pages, metadata, scale=c.head_dim**-0.5,
-                                                 backend=attn_backend, layout=kv_layout)
+            # Named scopes label these ops in the compiled program (paged_jax/step_profile.py reads them).
+            with jax.named_scope("kv_write"):
+                k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, metadata.slot_mapping, k, v, kv_layout)
+            with jax.named_scope("attention"):
+                out = kernels_pallas.paged_attention(q, k_pages, v_pages, metadata, scale=c.head_dim**-0.5,
+                                                     backend=attn_backend, layout=kv_layout)
             return out, k_pages, v_pages
 
         out, k_pages, v_pages = per_kv_head(attend, mesh, kv_layout)(q, k, v, k_pages, v_pages, metadata)

@@ -19,19 +19,22 @@ import pathlib
 import re
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import LLMEngine, SamplingParams
+from paged_jax import step_profile
 from paged_jax.config import DTYPES
+from paged_jax.step_profile import matmul_peak_gflops
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The workload and engine options every throughput script shares (make_engine reads them)."""
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--num-requests", type=int, default=None, help="first N requests only")
@@ -39,10 +42,18 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     p.add_argument("--profile-requests", type=int, default=8,
                    help="with tensor parallelism: requests of the profiled run that times collectives")
     p.add_argument("--no-warmup", action="store_true", help="time the first run, compiles included")
+    p.add_argument("--profile", action="store_true",
+                   help="then run the workload again under the JAX profiler and print where the steps' time goes "
+                        "(paged_jax/step_profile.py)")
     p.add_argument("--json", help="write the figures to this path")
     return p.parse_args(argv)
 
@@ -60,22 +71,6 @@ def load_workload(path) -> dict:
     return dict(name="W1", requests=requests)
 
 
-def matmul_peak_gflops(dtype=jnp.float32, n: int | None = None, repeats: int = 10) -> float:
-    """Best-of n^3 matmul rate on the default device through XLA, in dtype. n: 2048 on the CPU; 8192
-    on a GPU, where a smaller product ends before the launch overhead is amortised."""
-    if n is None:
-        n = 8192 if jax.default_backend() == "gpu" else 2048
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
-
-
 def model_flops(cfg, requests) -> float:
     """Matmul and attention FLOPs the workload needs (logits only for sampled rows)."""
     d, hd = cfg.hidden_size, cfg.head_dim
@@ -91,16 +86,46 @@ def model_flops(cfg, requests) -> float:
     return total
 
 
-def run_once(engine: LLMEngine, requests, params) -> tuple[float, int]:
-    for i, r in enumerate(requests):
-        engine.add_request(r["prompt_token_ids"], params[i])
+def make_engine(args) -> LLMEngine:
+    """The engine add_engine_args' options describe."""
+    return LLMEngine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                                     max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                                     tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+
+
+def workload_requests(args) -> tuple[dict, list[dict], list[SamplingParams]]:
+    """(workload, its first --num-requests requests, greedy parameters for each: EOS ignored)."""
+    workload = load_workload(args.workload)
+    requests = workload["requests"][: args.num_requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], ignore_eos=True) for r in requests]
+    return workload, requests, params
+
+
+class Run(NamedTuple):
+    elapsed: float  # seconds from the first step to the last
+    produced: int  # output tokens
+    token_ids: list[list[int]]  # each request's output tokens, in the order of `requests`
+
+
+def run_workload(engine: LLMEngine, requests, params, step=None) -> Run:
+    """Add every request, then step until all have finished. step: called in place of engine.step
+    (a profiler wraps it)."""
+    ids = [engine.add_request(r["prompt_token_ids"], params[i]) for i, r in enumerate(requests)]
+    step = step or engine.step
     start = time.perf_counter()
-    produced = 0
+    tokens = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in step():
             if out.finished:
-                produced += len(out.outputs[0].token_ids)
-    return time.perf_counter() - start, produced
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    return Run(elapsed, sum(map(len, tokens.values())), [tokens[i] for i in ids])
+
+
+def run_once(engine: LLMEngine, requests, params) -> tuple[float, int]:
+    """(seconds, output tokens) of one run of the requests."""
+    run = run_workload(engine, requests, params)
+    return run.elapsed, run.produced
 
 
 _COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|nccl", re.I)
@@ -137,12 +162,8 @@ def collective_ms_per_step(engine: LLMEngine, requests, params) -> tuple[float, 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    workload = load_workload(args.workload)
-    requests = workload["requests"][: args.num_requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], ignore_eos=True) for r in requests]
-    engine = LLMEngine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                                       max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-                                       tensor_parallel_size=args.tensor_parallel_size)
+    workload, requests, params = workload_requests(args)
+    engine = make_engine(args)
     if not args.no_warmup:
         run_once(engine, requests, params)
         engine.blocks.reset_prefix_cache()  # the timed run must compute every prompt again
@@ -182,6 +203,9 @@ def main(argv=None) -> dict:
         figures |= {"collective_ms_per_step": round(ms, 2), "profiled_steps": steps}
     for name, value in figures.items():
         print(f"{name:>24}: {value}")
+    if args.profile:
+        figures["profile"] = step_profile.profile_run(engine, requests, params, matmul_peak=peak)
+        print(step_profile.format_profile(figures["profile"]))
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(figures, indent=2))
