@@ -40,6 +40,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from paged_jax.buckets import bucket
+
 EXIT_GROUP_FAILED = 3
 DEFAULT_TIMEOUT = 300  # seconds: JAX's own initialization timeout
 _MIN_MESSAGE_BYTES = 4096
@@ -209,7 +211,7 @@ def _broadcast(message: object) -> object:
     leader = is_leader()
     data = np.frombuffer(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), np.uint8) if leader else None
     size = int(multihost_utils.broadcast_one_to_all(np.array([data.size if leader else 0], np.int32))[0])
-    buffer = np.zeros(max(_MIN_MESSAGE_BYTES, 1 << (size - 1).bit_length()), np.uint8)
+    buffer = np.zeros(bucket(size, _MIN_MESSAGE_BYTES), np.uint8)
     if leader:
         buffer[:size] = data
     buffer = multihost_utils.broadcast_one_to_all(buffer)
