@@ -14,17 +14,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
 #if defined(__SSE2__)
 #include <xmmintrin.h>
 #endif
 
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -143,31 +141,122 @@ void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const fl
   }
 }
 
-// The helpers of one kernel call: those that enter before close_and_wait run, and it waits for them.
-class Join {
- public:
-  bool enter() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return false;
-    ++running_;
-    return true;
-  }
-  void leave() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--running_ == 0) idle_.notify_all();
-  }
-  void close_and_wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    closed_ = true;
-    idle_.wait(lock, [this] { return running_ == 0; });
-  }
+// A decode row (one new token) of G query heads sharing a KV head, with the vectors along head_dim:
+// scores for two positions at a time (2 * G independent sums), then p * V for two vectors of head_dim
+// at a time, every query head at once, so each K and V row is read from memory once and feeds G
+// FMAs per load. Bounds: kMaxHeadDim, kMaxBlockSize; head_dim a multiple of kLanes.
+constexpr int kMaxHeadDim = 256, kMaxBlockSize = 128;
+constexpr int kAhead = 2;  // blocks
 
- private:
-  std::mutex mu_;
-  std::condition_variable idle_;
-  int running_ = 0;
-  bool closed_ = false;
-};
+template <int G>
+void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const float* v_pages, const int32_t* table,
+                  int seq_len, int64_t token, int kv_head, float scale, float* out) {
+  using paged_jax::Load;
+  using paged_jax::Vec;
+  constexpr int L = paged_jax::kLanes;
+  const int64_t D = sh.head_dim, BS = sh.block_size, V = D / L, ss = sh.slot_stride;
+  const int64_t block_stride = BS * sh.num_kv_heads * D;
+  alignas(64) float qs[G][kMaxHeadDim], acc[G][kMaxHeadDim], s[G][kMaxBlockSize];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    const float* src = q + (token * sh.num_heads + kv_head * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) qs[g][d] = src[d] * scale, acc[g][d] = 0.0f;
+    m[g] = kNoScore, l[g] = 0.0f;
+  }
+  auto prefetch = [&](int64_t b) {
+    if (b * BS >= seq_len) return;
+    const int64_t base = (int64_t)table[b] * block_stride + kv_head * sh.head_stride;
+    for (int64_t i = 0; i < std::min<int64_t>(BS, seq_len - b * BS); ++i)
+      for (int64_t d = 0; d < D; d += 64 / sizeof(float)) {
+        __builtin_prefetch(k_pages + base + i * ss + d);
+        __builtin_prefetch(v_pages + base + i * ss + d);
+      }
+  };
+  for (int64_t b = 0; b < kAhead; ++b) prefetch(b);
+  for (int64_t b = 0; b * BS < seq_len; ++b) {
+    const int64_t base = (int64_t)table[b] * block_stride + kv_head * sh.head_stride;
+    const float* kb = k_pages + base;
+    const float* vb = v_pages + base;
+    const int n = (int)std::min<int64_t>(BS, seq_len - b * BS);  // written slots only: the rest may hold NaN
+    // Pages lie in any order, so the hardware prefetcher cannot guess the next ones: ask for them
+    // while this one is computed. Without this the kernel waits on memory at a third of its bandwidth.
+    prefetch(b + kAhead);
+    int t = 0;
+    for (; t + 2 <= n; t += 2) {
+      Vec a0[G] = {}, a1[G] = {};
+      for (int64_t v = 0; v < V; ++v) {
+        const Vec k0 = Load(kb + t * ss + v * L), k1 = Load(kb + (t + 1) * ss + v * L);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const Vec qv = Load(&qs[g][v * L]);
+          a0[g] += qv * k0;
+          a1[g] += qv * k1;
+        }
+      }
+      for (int g = 0; g < G; ++g) s[g][t] = paged_jax::Sum(a0[g]), s[g][t + 1] = paged_jax::Sum(a1[g]);
+    }
+    for (; t < n; ++t) {
+      Vec a0[G] = {};
+      for (int64_t v = 0; v < V; ++v) {
+        const Vec k0 = Load(kb + t * ss + v * L);
+        for (int g = 0; g < G; ++g) a0[g] += Load(&qs[g][v * L]) * k0;
+      }
+      for (int g = 0; g < G; ++g) s[g][t] = paged_jax::Sum(a0[g]);
+    }
+    for (int g = 0; g < G; ++g) {  // the online softmax
+      float block_max = kNoScore;
+      for (int i = 0; i < n; ++i) block_max = std::max(block_max, s[g][i]);
+      const float m_new = std::max(m[g], block_max), alpha = std::exp(m[g] - m_new);
+      float sum = 0.0f;
+      for (int i = 0; i < n; ++i) sum += (s[g][i] = std::exp(s[g][i] - m_new));
+      l[g] = l[g] * alpha + sum;
+      m[g] = m_new;
+      for (int64_t d = 0; d < D; ++d) acc[g][d] *= alpha;
+    }
+    int64_t v = 0;
+    for (; v + 2 <= V; v += 2) {
+      Vec c0[G], c1[G];
+      for (int g = 0; g < G; ++g) c0[g] = Load(&acc[g][v * L]), c1[g] = Load(&acc[g][(v + 1) * L]);
+      for (int i = 0; i < n; ++i) {
+        const Vec v0 = Load(vb + i * ss + v * L), v1 = Load(vb + i * ss + (v + 1) * L);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) c0[g] += s[g][i] * v0, c1[g] += s[g][i] * v1;
+      }
+      for (int g = 0; g < G; ++g) paged_jax::Store(&acc[g][v * L], c0[g]), paged_jax::Store(&acc[g][(v + 1) * L], c1[g]);
+    }
+    for (; v < V; ++v) {
+      Vec c0[G];
+      for (int g = 0; g < G; ++g) c0[g] = Load(&acc[g][v * L]);
+      for (int i = 0; i < n; ++i) {
+        const Vec v0 = Load(vb + i * ss + v * L);
+        for (int g = 0; g < G; ++g) c0[g] += s[g][i] * v0;
+      }
+      for (int g = 0; g < G; ++g) paged_jax::Store(&acc[g][v * L], c0[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* dst = out + (token * sh.num_heads + kv_head * G + g) * D;
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[g][d] * inv;
+  }
+}
+
+using DecodeFn = void (*)(const Shapes&, const float*, const float*, const float*, const int32_t*, int, int64_t, int,
+                          float, float*);
+
+// AttendDecode for this shape, or nullptr where it does not apply (AttendTile serves every shape).
+DecodeFn DecodeFor(const Shapes& sh) {
+  if (sh.head_dim % paged_jax::kLanes || sh.head_dim > kMaxHeadDim || sh.block_size > kMaxBlockSize) return nullptr;
+  switch (sh.num_heads / sh.num_kv_heads) {
+    case 1: return AttendDecode<1>;
+    case 2: return AttendDecode<2>;
+    case 3: return AttendDecode<3>;
+    case 4: return AttendDecode<4>;
+    case 6: return AttendDecode<6>;
+    case 8: return AttendDecode<8>;
+    default: return nullptr;
+  }
+}
 
 ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                              ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
@@ -205,28 +294,21 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
            lens[b.seq] - (starts[b.seq + 1] - starts[b.seq]) + b.last;
   });
   std::atomic<size_t> next{0};
+  const DecodeFn decode = DecodeFor(sh);
   auto work = [&] {
     FlushDenormals flush;
     for (size_t i; (i = next.fetch_add(1)) < items.size();) {
       const WorkItem& w = items[i];
+      if (decode != nullptr && starts[w.seq + 1] - starts[w.seq] == 1) {
+        decode(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), tables + w.seq * sh.max_blocks,
+               lens[w.seq], starts[w.seq], w.kv_head, scale, out->typed_data());
+        continue;
+      }
       AttendTile(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), block_tables.typed_data(),
                  lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq], w, scale, out->typed_data());
     }
   };
-  // Wait only for the helpers that started before the work ran out, never for one still queued: the
-  // pool may be busy with calls like this one (several devices of one host, each on a pool thread),
-  // each of which would otherwise wait for helpers queued behind the others, for ever. A helper that
-  // starts late touches nothing but the shared `join`, which outlives this call.
-  const int helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), (int64_t)items.size() - 1));
-  auto join = std::make_shared<Join>();
-  for (int t = 0; t < helpers; ++t)
-    pool.Schedule([join, &work] {
-      if (!join->enter()) return;
-      work();
-      join->leave();
-    });
-  work();
-  join->close_and_wait();
+  paged_jax::RunShared(pool, (int64_t)items.size(), work);
   return ffi::Error::Success();
 }
 

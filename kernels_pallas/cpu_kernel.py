@@ -1,9 +1,10 @@
-"""The CPU paged-attention kernel (cpu_attention.cc), built on first use and called through XLA's FFI.
+"""The CPU kernels, built on first use and called through XLA's FFI: paged attention
+(cpu_attention.cc) and the matmul over weights packed in column panels (cpu_linear.cc).
 
-It is compiled with the machine's C++ compiler for this CPU (-march=native) into the cache directory,
-keyed by the source, the compiler flags and the CPU, so later runs load it at once. Where no compiler
-works, `available()` is False, `build_error()` says why, and the engine stays on the pure-XLA path
-(xla_cpu.py).
+They are compiled with the machine's C++ compiler for this CPU (-march=native) into one library in
+the cache directory, keyed by the sources, the compiler flags and the CPU, so later runs load it at
+once. Where no compiler works, `available()` is False, `build_error()` says why, and the engine stays
+on the pure-XLA paths (xla_cpu.py, XLA's dot).
 """
 
 import ctypes
@@ -16,13 +17,18 @@ import subprocess
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import xla_cpu
 from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cc")
+_HERE = Path(__file__).parent
+_SOURCES = tuple(_HERE / name for name in ("cpu_attention.cc", "cpu_linear.cc"))
+_HEADERS = (_HERE / "cpu_common.h",)
 _TARGET = "paged_jax_paged_attention_cpu_f32"
+_LINEAR = "paged_jax_linear_cpu_f32"
+PANEL = 16  # columns per panel of a packed weight (cpu_linear.cc's kPanel)
 _UNWRITTEN = "paged_jax_unwritten_buffer"
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's libmvec); the kernel keeps
 # to finite numbers and never reads an unwritten slot, so its assumptions hold. It is given to the
@@ -48,37 +54,43 @@ def _cpu_name() -> str:
 
 def _build() -> Path:
     flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
-    key = hashlib.sha256(_SOURCE.read_bytes() + flags.encode() + _cpu_name().encode()).hexdigest()[:16]
-    library = _cache_dir() / f"cpu_attention-{key}.so"
+    code = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
+    key = hashlib.sha256(code + flags.encode() + _cpu_name().encode()).hexdigest()[:16]
+    library = _cache_dir() / f"cpu_kernels-{key}.so"
     if not library.exists():
         compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
         if compiler is None:
             raise RuntimeError("no C++ compiler found (set CXX)")
         library.parent.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
-        obj = library.with_suffix(f".{os.getpid()}.o")
+        objects = [library.with_suffix(f".{source.stem}.{os.getpid()}.o") for source in _SOURCES]
         try:
-            for command in ([*_COMPILE_FLAGS, "-w", f"-I{jax.ffi.include_dir()}", "-c", str(_SOURCE), "-o", str(obj)],
-                            [*_LINK_FLAGS, str(obj), "-o", str(partial)]):
-                subprocess.run([compiler, *command], check=True, capture_output=True, text=True)
+            for source, obj in zip(_SOURCES, objects):
+                subprocess.run([compiler, *_COMPILE_FLAGS, "-w", f"-I{jax.ffi.include_dir()}", "-c", str(source),
+                                "-o", str(obj)], check=True, capture_output=True, text=True)
+            subprocess.run([compiler, *_LINK_FLAGS, *map(str, objects), "-o", str(partial)],
+                           check=True, capture_output=True, text=True)
         finally:
-            obj.unlink(missing_ok=True)
+            for obj in objects:
+                obj.unlink(missing_ok=True)
         partial.replace(library)  # atomic, so a concurrent process never loads half a file
     return library
 
 
 @functools.cache
 def build_error() -> str | None:
-    """Build and register the kernel once: None if that worked, else why not (the XLA path runs instead)."""
-    if not _SOURCE.exists():
-        return f"its source {_SOURCE.name} is not installed beside {Path(__file__).name}"
+    """Build and register the kernels once: None if that worked, else why not (the XLA paths run instead)."""
+    for path in _SOURCES + _HEADERS:
+        if not path.exists():
+            return f"its source {path.name} is not installed beside {Path(__file__).name}"
     try:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except subprocess.CalledProcessError as e:
-        return f"compiling {_SOURCE.name} failed: {(e.stderr or '').strip()[-500:]}"
+        return f"building the CPU kernels failed: {(e.stderr or '').strip()[-500:]}"
     except (OSError, RuntimeError) as e:
         return str(e)
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpuF32), platform="cpu")
+    jax.ffi.register_ffi_target(_LINEAR, jax.ffi.pycapsule(library.LinearCpuF32), platform="cpu")
     jax.ffi.register_ffi_target(_UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")
     return None
 
@@ -139,3 +151,26 @@ def paged_attention_cpu(
     if max_query_len > 1:
         out = xla_cpu.attend_multi_token_rows(out, *args, scale=scale, layout=layout)
     return out
+
+
+def pack_columns(w: jax.Array) -> jax.Array:
+    """w: f32 [K, N] -> [ceil(N / PANEL), K, PANEL]: column panels for linear_cpu, the last one padded
+    with zero columns. Done once per weight, when the model is loaded."""
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    w = jnp.pad(w, ((0, 0), (0, panels * PANEL - n)))
+    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def unpack_columns(packed: jax.Array, n: int) -> jax.Array:
+    """The inverse of pack_columns: [panels, K, PANEL] -> [K, n]."""
+    return packed.transpose(1, 0, 2).reshape(packed.shape[1], -1)[:, :n]
+
+
+def linear_cpu(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """x @ w for x: f32 [M, K] and packed = pack_columns(w) of a f32 w [K, n]; returns f32 [M, n]."""
+    if not available():
+        raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
+    if x.dtype != np.float32 or packed.dtype != np.float32:
+        raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype} and {packed.dtype}")
+    return jax.ffi.ffi_call(_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed)

@@ -33,6 +33,24 @@ def test_matches_reference(case):
     assert not np.asarray(out[-TRAILING_PAD_TOKENS:]).any(), "tokens of no sequence must be 0"
 
 
+# The decode path is compiled per group size (1, 2, 3, 4, 6, 8) for head_dim a multiple of the vector
+# width and blocks of up to 128 slots; other shapes go through the general tile (5 heads a group,
+# head_dim 40, blocks of 256).
+DECODE_SHAPES = [(g, d, bs) for g in (1, 2, 3, 4, 5, 6, 8) for d, bs in ((64, 16), (16, 8))] + [
+    (3, 128, 128), (2, 40, 16), (4, 64, 256)]
+
+
+@pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
+@pytest.mark.parametrize("group,head_dim,block_size", DECODE_SHAPES)
+def test_decode_rows_of_every_group_size(group, head_dim, block_size, kv_layout):
+    case = Case(q_lens=(1, 1, 1, 0, 1), seq_lens=(1, 2 * block_size + 3, block_size, 0, 300), num_heads=2 * group,
+                num_kv_heads=2, head_dim=head_dim, block_size=block_size, layout=kv_layout)
+    inputs = make_inputs(case, seed=group)
+    out = cpu_kernel.paged_attention_cpu(*inputs, max_query_len=1, layout=kv_layout)
+    ref = paged_attention_reference(*inputs, max_query_len=1, layout=kv_layout)
+    assert rel_err(out, ref) < TOLERANCE[jnp.float32]
+
+
 def test_long_contexts_and_many_query_tiles():
     rng = np.random.default_rng(7)
     decodes = tuple(int(n) for n in rng.integers(1, 400, 19))
@@ -59,7 +77,7 @@ def test_seam_picks_the_kernel_for_float32_on_the_cpu():
 
 
 def test_kernel_without_its_source_is_a_fallback_that_says_why(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernel, "_SOURCE", tmp_path / "cpu_attention.cc")
+    monkeypatch.setattr(cpu_kernel, "_SOURCES", (tmp_path / "cpu_attention.cc", *cpu_kernel._SOURCES[1:]))
     cpu_kernel.build_error.cache_clear()
     try:
         assert kernels_pallas.choose_backend("auto", jnp.float32) == (

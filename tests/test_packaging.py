@@ -21,8 +21,10 @@ def wheel(tmp_path_factory) -> Path:
     return next(out.glob("paged_jax-*.whl"))
 
 
-def test_wheel_carries_the_cpu_kernel_source(wheel):
-    assert "kernels_pallas/cpu_attention.cc" in zipfile.ZipFile(wheel).namelist()
+def test_wheel_carries_the_cpu_kernel_sources(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for source in ("cpu_attention.cc", "cpu_linear.cc", "cpu_common.h"):
+        assert f"kernels_pallas/{source}" in names
 
 
 def test_non_editable_install_runs_the_cpu_kernel(wheel, tmp_path):
