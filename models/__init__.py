@@ -1,7 +1,7 @@
 """Llama-family models for the engine: config, flax.nnx model with its jittable step, weight loading."""
 
 from models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig
-from models.llama import TP_AXIS, LlamaForCausalLM, make_forward
+from models.llama import TP_AXIS, LlamaForCausalLM, make_forward, pack_for_cpu
 from models.loader import DEFAULT_MODEL, MODELS, LoadedModel, load_model, load_tokenizer
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "make_forward",
+    "pack_for_cpu",
 ]

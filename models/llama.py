@@ -11,17 +11,21 @@ Weight layouts are chosen for the CPU and for tensor parallelism at once:
 Every Param carries `out_sharding`: a partition spec over the mesh axis TP_AXIS (column-parallel
 on output dims, row-parallel on input dims, embeddings on vocab); `nnx.get_partition_spec(state)`
 reads them. Construction never shards (eager_sharding=False): placing is the loader's or engine's call.
+
+On the CPU, `pack_for_cpu` gives a copy whose matmul weights are packed in column panels for the C++
+matmul (kernels_pallas/cpu_linear.cc); each module's static `packed` says which form it holds.
 """
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import kernels_pallas
-from kernels_pallas import AttentionMetadata, KVCache
+from kernels_pallas import AttentionMetadata, KVCache, cpu_kernel
 from models import rope
 from models.config import ModelConfig
 from models.sharding import TP_AXIS, per_kv_head
@@ -29,6 +33,21 @@ from models.sharding import TP_AXIS, per_kv_head
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], sharding: tuple, dtype) -> nnx.Param:
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=sharding, eager_sharding=False)
+
+
+def _linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool) -> jax.Array:
+    """x: [num_tokens, K] @ w -> [num_tokens, *out_shape]. w is [K, *out_shape], or where packed its
+    column panels (cpu_kernel.pack_columns of w as [K, N]), multiplied by the C++ kernel."""
+    if not packed:
+        return jnp.tensordot(x, w, axes=1)
+    with jax.named_scope("matmul"):  # the profile's name for it (paged_jax/step_profile.py)
+        return cpu_kernel.linear_cpu(x, w, math.prod(out_shape)).reshape(x.shape[0], *out_shape)
+
+
+def _pack(param: nnx.Param, weight: jax.Array) -> None:
+    """Hold weight [K, *out] packed, for _linear; packed weights are never split over devices."""
+    param.set_value(cpu_kernel.pack_columns(weight.reshape(weight.shape[0], -1)))
+    param.set_metadata(out_sharding=(None,) * 3)
 
 
 _normal = jax.nn.initializers.normal(0.02)
@@ -58,6 +77,7 @@ class Attention(nnx.Module):
             self.qkv_bias = _param(rngs, _zeros, (c.num_kv_heads, c.group_size + 2, c.head_dim),
                                    (TP_AXIS, None, None), dtype)
         self.o = _param(rngs, _normal, (c.num_heads * c.head_dim, c.hidden_size), (TP_AXIS, None), dtype)
+        self.packed = False
 
     def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str,
                  kv_layout: str, mesh=None):
@@ -69,7 +89,7 @@ class Attention(nnx.Module):
         """
         c = self.config
         g = c.group_size
-        qkv = jnp.einsum("th,hkgd->tkgd", x, self.qkv[...])
+        qkv = _linear(x, self.qkv[...], (c.num_kv_heads, g + 2, c.head_dim), self.packed)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...]
         qk = rope.apply(qkv[:, :, : g + 1], cos, sin)  # q and k rotate together: one fused op
@@ -86,7 +106,7 @@ class Attention(nnx.Module):
             return out, k_pages, v_pages
 
         out, k_pages, v_pages = per_kv_head(attend, mesh, kv_layout)(q, k, v, k_pages, v_pages, metadata)
-        return out.reshape(x.shape[0], -1) @ self.o[...], k_pages, v_pages
+        return _linear(out.reshape(x.shape[0], -1), self.o[...], (c.hidden_size,), self.packed), k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -94,11 +114,14 @@ class MLP(nnx.Module):
         c = config
         self.gate_up = _param(rngs, _normal, (c.hidden_size, 2, c.intermediate_size), (None, None, TP_AXIS), dtype)
         self.down = _param(rngs, _normal, (c.intermediate_size, c.hidden_size), (TP_AXIS, None), dtype)
+        self.config = c
+        self.packed = False
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [num_tokens, hidden] -> [num_tokens, hidden]; SwiGLU."""
-        gate_up = jnp.einsum("th,hgi->tgi", x, self.gate_up[...])
-        return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ self.down[...]
+        c = self.config
+        gate_up = _linear(x, self.gate_up[...], (2, c.intermediate_size), self.packed)
+        return _linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...], (c.hidden_size,), self.packed)
 
 
 class DecoderLayer(nnx.Module):
@@ -136,6 +159,7 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, rngs=rngs)
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, _normal, (c.hidden_size, c.vocab_size), (None, TP_AXIS), dtype)
+        self.packed = False
 
     def __call__(
         self,
@@ -158,7 +182,10 @@ class LlamaForCausalLM(nnx.Module):
         Returns logits float32 [num_seqs, vocab] and the cache holding this step's K/V.
         """
         cos, sin = rope.cos_sin(positions, rope.inv_freq(self.config))
-        x = self.embed[...][input_ids]
+        if self.packed and self.config.tie_word_embeddings:  # the embedding's transpose, packed
+            x = self.embed[...][input_ids // cpu_kernel.PANEL, :, input_ids % cpu_kernel.PANEL]
+        else:
+            x = self.embed[...][input_ids]
         ks, vs = [], []
         for layer, k_pages, v_pages in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             x, k_pages, v_pages = _decoder_layer(*nnx.split(layer), x, cos, sin, k_pages, v_pages, metadata,
@@ -167,11 +194,32 @@ class LlamaForCausalLM(nnx.Module):
             vs.append(v_pages)
         # Only the sampled rows go through the final norm and the lm_head, the largest matmul.
         x = self.norm(x[logits_indices])
-        if self.config.tie_word_embeddings:
+        if self.packed:
+            lm_head = self.embed if self.config.tie_word_embeddings else self.lm_head
+            logits = _linear(x, lm_head[...], (self.config.vocab_size,), packed=True)
+        elif self.config.tie_word_embeddings:
             logits = jnp.einsum("th,vh->tv", x, self.embed[...], preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("th,hv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
         return logits, dataclasses.replace(kv_cache, k=tuple(ks), v=tuple(vs))
+
+
+def pack_for_cpu(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """A copy of the model whose matmul weights are packed in column panels for the C++ CPU matmul
+    (kernels_pallas/cpu_linear.cc): XLA's dot repacks its weight on every call, which took most of a
+    decode step's matmul time. Float32, one device (the weights are not split); `model` is unchanged.
+    A tied embedding is packed as the lm_head's weight, and looked up in that form."""
+    model = nnx.clone(model)  # new modules and variables, over the same arrays until packed
+    for layer in model.layers:
+        for param in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
+            _pack(param, param[...])
+        layer.attn.packed = layer.mlp.packed = True
+    if model.config.tie_word_embeddings:
+        _pack(model.embed, model.embed[...].T)
+    else:
+        _pack(model.lm_head, model.lm_head[...])
+    model.packed = True
+    return model
 
 
 def make_forward(graphdef: nnx.GraphDef, *, attn_backend: str = "auto"):

@@ -6,10 +6,11 @@ from typing import Literal, Protocol
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend
+from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend, cpu_kernel
 from paged_jax.policy import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
+MATMUL_BACKENDS = ("auto", "cpu", "xla")
 # The KV budget where no device reports its memory (the CPU): what a laptop can spare.
 HOST_KV_CACHE_MEMORY_BYTES = 2 << 30
 # Backends that run on one platform only; the others run anywhere.
@@ -42,6 +43,9 @@ class EngineConfig:
     # float32 (the fast dtype there) on the CPU; for a model handed to the engine, its weights' dtype.
     dtype: str = "auto"
     attention_backend: str = "auto"
+    # The model's matmuls: "cpu" packs the weights once for the C++ kernel (kernels_pallas/cpu_linear.cc),
+    # "xla" leaves them to XLA's dot; "auto" takes "cpu" for float32 weights on one CPU device.
+    matmul_backend: str = "auto"
     # How each layer's K/V pages are laid out (kernels_pallas/layout.py): token-major
     # [num_blocks, block_size, kv_heads, head_dim] or head-major [num_blocks, kv_heads, block_size, head_dim].
     kv_layout: str = "token_major"
@@ -68,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.matmul_backend not in MATMUL_BACKENDS:
+            raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
         if self.kv_layout not in LAYOUTS:
             raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {self.kv_layout!r}")
 
@@ -82,10 +88,15 @@ class ResolvedConfig:
     dtype: str  # of the KV cache: "float32" or "bfloat16"
     platform: str  # the JAX platform the engine runs on: "gpu", "cpu", ...
     attention: BackendChoice  # the attention backend that runs (never "auto"), and why
+    matmul: BackendChoice  # "cpu" or "xla" (never "auto"), and why
 
     @property
     def attention_backend(self) -> str:
         return self.attention.backend
+
+    @property
+    def matmul_backend(self) -> str:
+        return self.matmul.backend
 
 
 class Device(Protocol):
@@ -126,6 +137,24 @@ def kv_cache_budget(config: EngineConfig, device: Device) -> int:
             f"{config.gpu_memory_utilization} x {limit / 2**30:.2f} GiB; raise gpu_memory_utilization "
             f"or set kv_cache_memory_bytes")
     return budget
+
+
+def choose_matmul_backend(config: EngineConfig, platform: str, weights_dtype) -> BackendChoice:
+    """What runs the model's matmuls, and why; asking for "cpu" where it cannot run is an error."""
+    reasons = [why for why, fails in (
+        (f"the engine runs on {platform}", platform != "cpu"),
+        (f"the weights are {jnp.dtype(weights_dtype).name}, not float32", jnp.dtype(weights_dtype) != jnp.float32),
+        ("the weights are split over devices", config.tensor_parallel_size > 1),
+        (f"the CPU kernel is unavailable: {cpu_kernel.build_error()}", platform == "cpu" and not cpu_kernel.available()),
+    ) if fails]
+    if config.matmul_backend == "xla":
+        return BackendChoice("xla", "asked for", False)
+    if not reasons:
+        return BackendChoice("cpu", "asked for" if config.matmul_backend == "cpu" else
+                             "the C++ kernel over packed float32 weights on the CPU", False)
+    if config.matmul_backend == "cpu":
+        raise ValueError(f"matmul_backend 'cpu' cannot run here: {'; '.join(reasons)}")
+    return BackendChoice("xla", reasons[0], False)
 
 
 def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -> ResolvedConfig:
@@ -172,4 +201,5 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     max_model_len = min(wanted, *limits.values())
     max_blocks_per_seq = -(-max_model_len // config.block_size)
     return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
-                          dtype=dtype, platform=platform, attention=attention)
+                          dtype=dtype, platform=platform, attention=attention,
+                          matmul=choose_matmul_backend(config, platform, weights_dtype))

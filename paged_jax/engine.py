@@ -52,6 +52,8 @@ class EngineStats:
     prefix_cache_queried_blocks: int
     attention_backend: str
     attention_backend_reason: str
+    matmul_backend: str
+    matmul_backend_reason: str
     num_batched_tokens: int  # tokens run through the model so far (prompt chunks and decodes)
 
 
@@ -99,6 +101,9 @@ class LLMEngine:
         # A fallback is slower by a wide margin: said where a user sees it, not only in the stats.
         logger.log(logging.WARNING if attention.fallback else logging.INFO, "attention backend %s: %s",
                    attention.backend, attention.reason)
+        logger.info("matmul backend %s: %s", self.resolved.matmul_backend, self.resolved.matmul.reason)
+        if self.resolved.matmul_backend == "cpu":
+            model = models.pack_for_cpu(model)
         self.runner = ModelRunner(model, model_config, self.config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
@@ -408,4 +413,6 @@ class LLMEngine:
             prefix_cache_queried_blocks=cache.queried_blocks if cache else 0,
             attention_backend=self.resolved.attention.backend,
             attention_backend_reason=self.resolved.attention.reason,
+            matmul_backend=self.resolved.matmul.backend,
+            matmul_backend_reason=self.resolved.matmul.reason,
             num_batched_tokens=self.num_batched_tokens)

@@ -24,7 +24,7 @@ import uvicorn
 import models
 from kernels_pallas import BACKENDS, LAYOUTS
 from paged_jax import distributed
-from paged_jax.config import DTYPES, EngineConfig
+from paged_jax.config import DTYPES, MATMUL_BACKENDS, EngineConfig
 from paged_jax.engine import LLMEngine
 from paged_jax.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
 
@@ -32,7 +32,7 @@ API_KEY_ENV = "PAGED_JAX_API_KEY"
 
 # EngineConfig fields whose vLLM flag is not the field's name.
 _FLAG_NAMES = {"num_blocks": "num-gpu-blocks-override"}
-_CHOICES = {"dtype": DTYPES, "attention_backend": BACKENDS, "kv_layout": LAYOUTS}
+_CHOICES = {"dtype": DTYPES, "attention_backend": BACKENDS, "matmul_backend": MATMUL_BACKENDS, "kv_layout": LAYOUTS}
 _HELP = {
     "block_size": "tokens per KV-cache block",
     "num_blocks": "KV-cache blocks (overrides --kv-cache-memory-bytes)",
@@ -47,6 +47,7 @@ _HELP = {
     "scheduling_policy": "who is admitted first and preempted last (priority: lower value first)",
     "dtype": "parameter and KV-cache dtype",
     "attention_backend": "paged-attention implementation",
+    "matmul_backend": "the model's matmuls: cpu packs the weights for the C++ kernel, xla leaves them to XLA",
     "kv_layout": "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]",
     "tensor_parallel_size": "devices to split the model's heads and MLP over (tensor parallelism)",
     "seed": "engine seed, for requests without their own",

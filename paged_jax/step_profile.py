@@ -2,8 +2,9 @@
 
 `profile_run(engine, requests, params)` runs the requests once under `jax.profiler`, each engine step
 inside a trace annotation, and splits every step's wall time into
-- matmul: XLA dots outside attention (q/k/v, o, gate/up, down, the lm_head), each an op whose
-  compiled HLO is a dot or a fusion around one;
+- matmul: the model's matmuls outside attention (q/k/v, o, gate/up, down, the lm_head): XLA dots,
+  each an op whose compiled HLO is a dot or a fusion around one, or the C++ matmul over packed
+  weights, under the named scope "matmul";
 - attention: ops under the model's named scope "attention" (the C++ decode kernel, the XLA query
   tiles of prefill rows);
 - kv_write: ops under the named scope "kv_write" (the step's K/V into its pages);
@@ -92,7 +93,7 @@ def classify_hlo(text: str) -> dict[str, str]:
             return "attention"
         if "kv_write" in scope:
             return "kv_write"
-        if opcode[name] in ("dot", "convolution") or (
+        if "matmul" in scope or opcode[name] in ("dot", "convolution") or (
                 opcode[name] == "fusion" and any(has_dot[c] for c in calls[name])):
             return "matmul"
         return "other"

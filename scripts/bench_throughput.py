@@ -27,7 +27,7 @@ import numpy as np
 
 from paged_jax import LLMEngine, SamplingParams
 from paged_jax import step_profile
-from paged_jax.config import DTYPES
+from paged_jax.config import DTYPES, MATMUL_BACKENDS
 from paged_jax.step_profile import matmul_peak_gflops
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
@@ -42,6 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
+                   help="auto: the C++ kernel over packed weights for float32 on one CPU device, else XLA")
 
 
 def parse_args(argv=None):
@@ -90,6 +92,7 @@ def make_engine(args) -> LLMEngine:
     """The engine add_engine_args' options describe."""
     return LLMEngine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                                      max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                                     matmul_backend=args.matmul_backend,
                                      tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 

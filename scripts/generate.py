@@ -104,6 +104,7 @@ def _print_stats(engine: LLMEngine, outputs, elapsed: float) -> None:
         ("prefix-cache hit blocks", f"{stats.prefix_cache_hit_blocks} of {stats.prefix_cache_queried_blocks} queried"),
         ("compiles", stats.num_compiles),
         ("attention backend", f"{stats.attention_backend} ({stats.attention_backend_reason})"),
+        ("matmul backend", f"{stats.matmul_backend} ({stats.matmul_backend_reason})"),
     ]
     print("\n--- stats ---", file=sys.stderr)
     for name, value in rows:

@@ -102,3 +102,18 @@ def test_tensor_parallel_budget_is_per_gpu_and_shared_on_the_host():
     assert host[0].num_blocks == host[1].num_blocks == HOST_KV_CACHE_MEMORY_BYTES // per_block(jnp.float32) + 1
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_matmul_backend_packs_for_float32_on_one_cpu_device_and_says_why_not_elsewhere():
+    def matmul(platform, dtype=jnp.float32, **config):
+        return resolve(EngineConfig(num_blocks=8, **config), TINY_LLAMA, fake_device(platform), dtype).matmul
+
+    assert matmul("cpu") == ("cpu", "the C++ kernel over packed float32 weights on the CPU", False)
+    assert matmul("cpu", matmul_backend="xla") == ("xla", "asked for", False)
+    assert matmul("cpu", jnp.bfloat16) == ("xla", "the weights are bfloat16, not float32", False)
+    assert matmul("cpu", tensor_parallel_size=2) == ("xla", "the weights are split over devices", False)
+    assert matmul("gpu", jnp.bfloat16).backend == "xla"
+    with pytest.raises(ValueError, match="matmul_backend 'cpu' cannot run here: the engine runs on gpu"):
+        matmul("gpu", matmul_backend="cpu")
+    with pytest.raises(ValueError, match="matmul_backend must be one of"):
+        EngineConfig(matmul_backend="onednn")

@@ -10,7 +10,7 @@ from flax import nnx
 
 from conftest import CHAT_PROMPTS, TINY_ARCHS, hf_greedy
 from kernels_pallas import AttentionMetadata, KVCache, init_kv_cache
-from models import TP_AXIS, LlamaForCausalLM, ModelConfig, load_model, make_forward
+from models import TP_AXIS, LlamaForCausalLM, ModelConfig, load_model, make_forward, pack_for_cpu
 
 GREEDY_STEPS = 32
 
@@ -100,12 +100,29 @@ def paged_greedy(forward, state, config, prompts, *, block_size: int, chunk_size
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_ARCHS))
-def tiny(request, tiny_checkpoint):
-    """(transformers model, our config, split state, jitted forward) for one architecture."""
+def tiny_model(request, tiny_checkpoint):
+    """(transformers model, our config, our model) for one architecture."""
     folder, hf_model = tiny_checkpoint(request.param)
     model, config, _ = load_model(folder)
+    return hf_model, config, model
+
+
+def _with_forward(hf_model, config, model):
     graphdef, state = nnx.split(model)
     return hf_model, config, state, make_forward(graphdef)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    """(transformers model, our config, split state, jitted forward) for one architecture."""
+    return _with_forward(*tiny_model)
+
+
+@pytest.fixture(scope="module", params=(False, True), ids=("xla_matmul", "packed"))
+def tiny_any_matmul(request, tiny_model):
+    """`tiny` with XLA's matmuls, or with its weights packed for the C++ CPU matmul (models.pack_for_cpu)."""
+    hf_model, config, model = tiny_model
+    return _with_forward(hf_model, config, pack_for_cpu(model) if request.param else model)
 
 
 def random_prompts(config: ModelConfig, lengths) -> list[list[int]]:
@@ -131,8 +148,8 @@ def ragged_logits(forward, state, config, prompts, *, block_size=6, cache_dtype=
 LOGIT_PROMPT_LENGTHS = (7, 13, 70)
 
 
-def test_logits_match_transformers(tiny):
-    hf_model, config, state, forward = tiny
+def test_logits_match_transformers(tiny_any_matmul):
+    hf_model, config, state, forward = tiny_any_matmul
     prompts = random_prompts(config, LOGIT_PROMPT_LENGTHS)
     for prompt, got in zip(prompts, ragged_logits(forward, state, config, prompts), strict=True):
         with torch.no_grad():
@@ -141,8 +158,8 @@ def test_logits_match_transformers(tiny):
 
 
 @pytest.mark.parametrize("chunk_size", [64, 5], ids=["whole", "chunked"])
-def test_greedy_through_paged_cache_matches_transformers(tiny, chunk_size):
-    hf_model, config, state, forward = tiny
+def test_greedy_through_paged_cache_matches_transformers(tiny_any_matmul, chunk_size):
+    hf_model, config, state, forward = tiny_any_matmul
     prompts = random_prompts(config, (9, 23, 14))
     got = paged_greedy(forward, state, config, prompts, block_size=4, chunk_size=chunk_size)
     assert got == [hf_greedy(hf_model, p, GREEDY_STEPS) for p in prompts]
