@@ -27,18 +27,37 @@ from paged_jax.config import EngineConfig, ResolvedConfig
 from paged_jax.scheduler import ScheduledSeq
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend", "mesh"), donate_argnames=("kv_cache",))
-def step(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, step_input: StepInput,
+class ModelGraph:
+    """The model's structure, a static argument of `step`: its nnx graphdef and the treedef of its
+    weights. Hashed once: jit hashes its static arguments on every call, and hashing a graphdef (or
+    flattening an nnx.State) walks the whole model in Python, milliseconds a step."""
+
+    def __init__(self, graphdef: nnx.GraphDef, state: nnx.State):
+        self.graphdef = graphdef
+        self.treedef = jax.tree.structure(state)
+        self._hash = hash((graphdef, self.treedef))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, ModelGraph) and self._hash == other._hash
+                                 and (self.graphdef, self.treedef) == (other.graphdef, other.treedef))
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "attn_backend", "mesh"), donate_argnames=("kv_cache",))
+def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, step_input: StepInput,
          sampling_tensors: sampling.SamplingTensors, *, attn_backend: str, mesh: Mesh | None = None):
     """The model over one flat batch, then the sampler on each sequence's last new token.
 
+    weights: the model state's leaves, in graph.treedef's order.
     kv_cache: every layer's pages, donated (updated in place; do not reuse the one passed in).
     attn_backend: a concrete backend (kernels_pallas.BACKENDS, not "auto": the caller knows the
         platform it compiles for, the trace does not).
     mesh: the mesh that state and kv_cache are split over (tensor parallelism), or None.
     Returns (SamplerOutput with S rows, the cache holding the step's K/V).
     """
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
     logits, kv_cache = model(step_input.input_ids, step_input.positions, kv_cache, step_input.metadata,
                              step_input.logits_indices, attn_backend=attn_backend, mesh=mesh)
     return sampling.sample(logits, sampling_tensors), kv_cache
@@ -63,7 +82,9 @@ def _write_blocks(kv_cache: KVCache, ids: jax.Array, k: tuple, v: tuple) -> KVCa
 class ModelRunner:
     def __init__(self, model, model_config, config: EngineConfig, resolved: ResolvedConfig, mesh: Mesh | None = None):
         """mesh: what the model is split over (tensor parallelism); the KV cache is split over it too."""
-        self.graphdef, self.state = nnx.split(model)
+        graphdef, self.state = nnx.split(model)
+        self.graph = ModelGraph(graphdef, self.state)
+        self._weights = tuple(jax.tree.leaves(self.state))
         self.mesh = mesh
         self.model_config = model_config
         self.config = config
@@ -114,13 +135,13 @@ class ModelRunner:
         return step_input, tensors
 
     def step_args(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict]:
-        """(args, keywords) that `execute` calls `step` with for these sequences: the graph, the
+        """(args, keywords) that `execute` calls `step` with for these sequences: the model's graph, its
         weights, the KV cache, the step's host arrays and sampling tensors; the attention backend."""
         return self._step_args(*self.host_inputs(scheduled))
 
     def _step_args(self, step_input: StepInput, tensors: sampling.SamplingTensors) -> tuple[tuple, dict]:
         keywords = dict(attn_backend=self.attention_backend, mesh=self.mesh)
-        return (self.graphdef, self.state, self.kv_cache, step_input, tensors), keywords
+        return (self.graph, self._weights, self.kv_cache, step_input, tensors), keywords
 
     @distributed.replicated
     def run_step(self, copies: np.ndarray, step_input: StepInput,
