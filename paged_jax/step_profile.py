@@ -118,12 +118,12 @@ class _Step:
 def _abstract(args, keywords):
     """The step's arguments as shapes, dtypes and shardings: enough to lower it again."""
     as_shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
-    graphdef, *arrays = args
-    return graphdef, jax.tree.map(as_shape, tuple(arrays)), keywords
+    graph, *arrays = args
+    return graph, jax.tree.map(as_shape, tuple(arrays)), keywords
 
 
 def _signature_key(abstract) -> str:
-    graphdef, arrays, keywords = abstract
+    _, arrays, keywords = abstract
     return str(jax.tree.map(lambda x: (x.shape, str(x.dtype)), arrays)) + str(sorted(keywords.items(), key=str))
 
 
@@ -191,8 +191,8 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
 
 def _compiled_text(abstract) -> str:
     """The optimized HLO of the step for these arguments (the traced run's op names point into it)."""
-    graphdef, arrays, keywords = abstract
-    text = model_runner.step.lower(graphdef, *arrays, **keywords).compile().as_text()
+    graph, arrays, keywords = abstract
+    text = model_runner.step.lower(graph, *arrays, **keywords).compile().as_text()
     if "kv_write" not in text or "attention" not in text:
         # The persistent compilation cache's key leaves out op metadata: a program cached before the
         # model's named scopes were added comes back without them.

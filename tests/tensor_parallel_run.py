@@ -137,10 +137,10 @@ def cuda_lowering() -> dict:
     scheduled = [ScheduledSeq(Sequence(seq_id=i, request_id=str(i), token_ids=p, num_prompt_tokens=len(p), params=PARAMS,
                                        seed=i, arrival_time=0.0, block_ids=list(range(4 * i + 1, 4 * i + 5))), len(p))
                  for i, p in enumerate(prompts)]
-    (graphdef, *arrays), keywords = runner.step_args(scheduled)
+    (graph, *arrays), keywords = runner.step_args(scheduled)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                             arrays)
-    text = model_runner.step.trace(graphdef, *abstract, **keywords).lower(lowering_platforms=("cuda",)).as_text()
+    text = model_runner.step.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",)).as_text()
     return dict(backend=resolved.attention_backend, triton="__gpu$xla.gpu.triton" in text,
                 manual="sdy.manual_computation" in text or "shard_map" in text,
                 # The kernel's pages on one device: 64 blocks of 16 slots, 1 of the 4 KV heads.

@@ -51,9 +51,9 @@ def lower_step_for_cuda(batch: str, block_size: int, weights_dtype, dtype: str =
     resolved = resolve(config, TINY_LLAMA, FAKE_GPU, weights_dtype)
     assert resolved.attention_backend == "pallas"
     runner = model_runner.ModelRunner(random_model(dtype=weights_dtype), TINY_LLAMA, config, resolved)
-    (graphdef, *arrays), keywords = runner.step_args(scheduled(batch, block_size))
+    (graph, *arrays), keywords = runner.step_args(scheduled(batch, block_size))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
-    lowered = model_runner.step.trace(graphdef, *abstract, **keywords).lower(lowering_platforms=("cuda",))
+    lowered = model_runner.step.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",))
     return lowered.as_text(), resolved
 
 
