@@ -4,23 +4,33 @@ The pool state is the same pytree of JAX arrays a researcher jits and vmaps (blo
 keeps it on the host's CPU device, whatever accelerator the model runs on, because every scheduling
 decision is made on the host and reading it back there is a memcpy. Each method is one jitted pool call,
 with id lists padded to power-of-two lengths so the calls compile once per size class.
+
+A replay, which runs the scheduler without a model, asks for the pool's NumPy twin (host_pool.py,
+tested against the jitted pool): the same decisions without a dispatch per call.
 """
 
 import jax
 import numpy as np
 
-from paged_jax import block_pool
+from paged_jax import block_pool, host_pool
 from paged_jax.buckets import bucket, pad_to_bucket
 from paged_jax.prefix_cache import PrefixCache, block_hashes
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 numpy_pool: bool = False):
+        """numpy_pool: run the pool's operations in NumPy (host_pool.py) rather than as jitted calls."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._cpu = jax.local_devices(backend="cpu")[0]  # this process's, in a group of processes
-        with jax.default_device(self._cpu):
-            self.pool = block_pool.init_pool(num_blocks)
+        self._ops = host_pool if numpy_pool else block_pool
+        if numpy_pool:
+            self._cpu = None
+            self.pool = host_pool.init_pool(num_blocks)
+        else:
+            self._cpu = jax.local_devices(backend="cpu")[0]  # this process's, in a group of processes
+            with jax.default_device(self._cpu):
+                self.pool = block_pool.init_pool(num_blocks)
         self.cache = PrefixCache() if enable_prefix_caching else None
         self._sync()
 
@@ -29,8 +39,9 @@ class BlockManager:
         self.refcounts = np.asarray(self.pool.refcounts)
         self.num_free = int(self.pool.num_free)
 
-    def _ids_on_cpu(self, ids: list[int]) -> jax.Array:
-        return jax.device_put(pad_to_bucket(ids, -1), self._cpu)
+    def _padded_ids(self, ids: list[int]) -> jax.Array | np.ndarray:
+        padded = pad_to_bucket(ids, -1)
+        return padded if self._cpu is None else jax.device_put(padded, self._cpu)
 
     def can_allocate(self, n: int, keep: list[int] = ()) -> bool:
         """Whether n blocks can be had, evicting cached blocks (other than `keep`) if need be."""
@@ -47,21 +58,21 @@ class BlockManager:
             return []
         if n > self.num_free and self.cache is not None:
             self.free(self.cache.evict(self.refcounts, n - self.num_free))
-        self.pool, ids, ok = block_pool.allocate(self.pool, n, max_n=bucket(n))
+        self.pool, ids, ok = self._ops.allocate(self.pool, n, max_n=bucket(n))
         self._check(ok, f"allocate {n} (of {self.num_free} free)", [])
         return [int(i) for i in np.asarray(ids)[:n]]
 
     def free(self, ids: list[int]) -> None:
         if ids:
-            self.pool, ok = block_pool.free(self.pool, self._ids_on_cpu(ids))
+            self.pool, ok = self._ops.free(self.pool, self._padded_ids(ids))
             self._check(ok, "free", ids)
 
     def share(self, ids: list[int]) -> None:
         if ids:
-            self.pool, ok = block_pool.share(self.pool, self._ids_on_cpu(ids))
+            self.pool, ok = self._ops.share(self.pool, self._padded_ids(ids))
             self._check(ok, "share", ids)
 
-    def _check(self, ok: jax.Array, what: str, ids) -> None:
+    def _check(self, ok: jax.Array | bool, what: str, ids) -> None:
         self._sync()
         if not bool(ok):
             # The scheduler's bookkeeping disagrees with the pool: a bug, never a user error.
@@ -76,7 +87,7 @@ class BlockManager:
         block, so the caller checks can_allocate(1) first."""
         if self.num_free == 0 and self.cache is not None:
             self.free(self.cache.evict(self.refcounts, 1))
-        self.pool, _, copies, ok = block_pool.copy_on_write(self.pool, self._ids_on_cpu([block]))
+        self.pool, _, copies, ok = self._ops.copy_on_write(self.pool, self._padded_ids([block]))
         self._check(ok, "copy on write", [block])
         src, dst = (int(x) for x in np.asarray(copies)[0])
         return src, dst
