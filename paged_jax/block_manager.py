@@ -31,7 +31,7 @@ class BlockManager:
             self._cpu = jax.local_devices(backend="cpu")[0]  # this process's, in a group of processes
             with jax.default_device(self._cpu):
                 self.pool = block_pool.init_pool(num_blocks)
-        self.cache = PrefixCache() if enable_prefix_caching else None
+        self.cache = PrefixCache(num_blocks) if enable_prefix_caching else None
         self._sync()
 
     def _sync(self) -> None:
@@ -49,9 +49,7 @@ class BlockManager:
             return True
         if self.cache is None:
             return False
-        keep = set(keep)
-        evictable = sum(1 for b in self.cache.cached_ids() if self.refcounts[b] == 1 and b not in keep)
-        return n <= self.num_free + evictable
+        return n <= self.num_free + self.cache.num_evictable(self.refcounts, keep)
 
     def allocate(self, n: int) -> list[int]:
         if n == 0:

@@ -9,7 +9,10 @@ that only the cache still holds (refcount 1) are evicted, least recently used fi
 """
 
 import collections
+import itertools
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 ROOT_HASH = 0
 
@@ -26,8 +29,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_H
 class PrefixCache:
     """Host-side map from block name to physical block id, ordered by last use."""
 
-    def __init__(self):
+    def __init__(self, num_blocks: int):
         self._blocks: collections.OrderedDict[int, int] = collections.OrderedDict()
+        # The named blocks as a mask, to count the evictable ones in a few vector operations. A block
+        # has at most one name: it is named once, by the step that fills it.
+        self._named = np.zeros(num_blocks, bool)
         self.queried_blocks = 0
         self.hit_blocks = 0
 
@@ -53,6 +59,7 @@ class PrefixCache:
             self._blocks.move_to_end(h)
             return False
         self._blocks[h] = block
+        self._named[block] = True
         return True
 
     def evict(self, refcounts, n: int) -> list[int]:
@@ -60,16 +67,22 @@ class PrefixCache:
 
         refcounts: int [num_blocks], the pool's reference counts (host copy).
         """
-        victims = [h for h, b in self._blocks.items() if refcounts[b] == 1][:n]
-        return [self._blocks.pop(h) for h in victims]
+        refcounts = np.asarray(refcounts).tolist()  # Python ints: faster to index one at a time
+        victims = list(itertools.islice((h for h, b in self._blocks.items() if refcounts[b] == 1), n))
+        blocks = [self._blocks.pop(h) for h in victims]
+        self._named[blocks] = False
+        return blocks
 
-    def num_evictable(self, refcounts) -> int:
-        return sum(1 for b in self._blocks.values() if refcounts[b] == 1)
+    def num_evictable(self, refcounts, keep: Iterable[int] = ()) -> int:
+        """Blocks only the cache holds (refcounts: int [num_blocks]), less those in keep."""
+        evictable = self._named & (np.asarray(refcounts) == 1)
+        return int(np.count_nonzero(evictable)) - sum(1 for b in set(keep) if evictable[b])
 
     def clear(self) -> list[int]:
         """Forget every block; returns the ids whose cache reference the caller must free."""
         blocks = list(self._blocks.values())
         self._blocks.clear()
+        self._named[:] = False
         return blocks
 
     def cached_ids(self) -> Iterable[int]:
