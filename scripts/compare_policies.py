@@ -13,10 +13,13 @@ carries a priority in {0, 1, 2}, which only the priority policy reads.
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
+import multiprocessing
 import os
 import pathlib
 import platform
@@ -88,13 +91,21 @@ def settings(args) -> list[Setting]:
 
 
 def sweep(args, workload: dict, cost: StepCost) -> list[dict]:
-    rows = []
+    """One row per setting, in the grid's order, replayed by args.jobs processes."""
     traffic = {p: requests_for(workload, args.rate, p, args.seed) for p in PATTERNS}
-    for s in settings(args):
-        requests = traffic[s.pattern]
-        result = replay(s.engine_config(args.block_size), 1 + s.kv_tokens // args.block_size, requests, cost)
-        rows.append(dataclasses.asdict(s) | summarize(result, np.array([r.priority for r in requests])))
-    return rows
+    grid = settings(args)
+    requests = [traffic[s.pattern] for s in grid]
+    run = functools.partial(replay_row, block_size=args.block_size, cost=cost)
+    if args.jobs == 1:
+        return list(map(run, grid, requests))
+    # Spawned, not forked: a forked JAX process may deadlock.
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(run, grid, requests, chunksize=max(1, len(grid) // (4 * args.jobs))))
+
+
+def replay_row(setting: Setting, requests: list[Request], block_size: int, cost: StepCost) -> dict:
+    result = replay(setting.engine_config(block_size), 1 + setting.kv_tokens // block_size, requests, cost)
+    return dataclasses.asdict(setting) | summarize(result, np.array([r.priority for r in requests]))
 
 
 def fit_step_cost(args) -> dict:
@@ -240,6 +251,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-tokens", type=int, nargs="+", default=[4096, 16384], help="KV budgets, in tokens")
     parser.add_argument("--engine-check", type=int, default=0, metavar="N",
                         help="run one configuration per policy through the real engine on N requests")
+    parser.add_argument("--jobs", type=int, default=1, help="processes replaying configurations at once")
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("out"))
     args = parser.parse_args(argv)
     if args.fit:

@@ -61,3 +61,10 @@ def test_compare_policies_smallest(tmp_path):
     throughputs = [r["throughput"] for r in rows]
     assert max(throughputs) < 1.5 * min(throughputs)
     assert (tmp_path / "policies.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_policies_rows_are_the_same_from_two_processes(tmp_path):
+    smallest = ["--num-requests", "8", "--max-num-batched-tokens", "2048", "--max-num-seqs", "4", "--kv-tokens", "4096"]
+    for jobs in ("1", "2"):
+        compare_policies.main([*smallest, "--jobs", jobs, "--out-dir", str(tmp_path / jobs)])
+    assert (tmp_path / "1" / "policies.json").read_text() == (tmp_path / "2" / "policies.json").read_text()
