@@ -3,8 +3,9 @@
 Each step the scheduler decides as it does in the engine; the model is replaced by a step-cost model
 (seconds = a + b * tokens computed + c * context tokens attended) and by a made-up next token, so a
 configuration of the scheduler (policy, token and sequence budgets, chunked prefill, preemption mode,
-pool size) is measured in milliseconds of host time. Swapped-out KV costs nothing here: the cost
-model knows no transfer time.
+pool size) is measured in a fraction of a second of host time (0.1 to 0.5 s for 100 requests; the
+block pool runs in NumPy, host_pool.py). Swapped-out KV costs nothing here: the cost model knows no
+transfer time.
 """
 
 import dataclasses
