@@ -145,8 +145,10 @@ def choose_matmul_backend(config: EngineConfig, platform: str, weights_dtype) ->
         (f"the engine runs on {platform}", platform != "cpu"),
         (f"the weights are {jnp.dtype(weights_dtype).name}, not float32", jnp.dtype(weights_dtype) != jnp.float32),
         ("the weights are split over devices", config.tensor_parallel_size > 1),
-        (f"the CPU kernel is unavailable: {cpu_kernel.build_error()}", platform == "cpu" and not cpu_kernel.available()),
     ) if fails]
+    # The kernel is built only where it could run (never on a GPU machine).
+    if not reasons and not cpu_kernel.available():
+        reasons.append(f"the CPU kernel is unavailable: {cpu_kernel.build_error()}")
     if config.matmul_backend == "xla":
         return BackendChoice("xla", "asked for", False)
     if not reasons:
