@@ -1,4 +1,5 @@
-"""Attention on the CPU, one layer at engine-shaped steps: the jnp reference against the XLA path.
+"""Attention on the CPU, one layer at engine-shaped steps: the jnp reference against the XLA path
+and, for float32, the C++ kernel (kernels_pallas/cpu_kernel.py: its decode rows, XLA's tiles for the rest).
 
     python scripts/bench_attention_cpu.py                  # SmolLM2-135M shapes, float32
     python scripts/bench_attention_cpu.py --dtype bfloat16 --rounds 2 --only decode
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import layout
+from kernels_pallas import cpu_kernel, layout
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.xla_cpu import paged_attention_xla
 from paged_jax.buckets import step_shape
@@ -131,7 +132,8 @@ def main():
     itemsize = jnp.dtype(args.dtype).itemsize
     print(f"one layer: {args.num_heads} heads / {args.num_kv_heads} KV heads, head_dim {args.head_dim},"
           f" block {args.block_size}, {args.dtype}; medians of {5 * args.rounds} calls (ms)")
-    print(f"{'scenario':>34} {'floor':>6} {'reference':>10} {'xla':>8} {'speedup':>8} {'chunked-2':>10}  rel err")
+    print(f"{'scenario':>34} {'floor':>6} {'reference':>10} {'xla':>8} {'speedup':>8} {'chunked-2':>10} {'cpu':>8}"
+          "  rel err")
     for scenario in scenarios(rng):
         if args.only and args.only not in scenario.name:
             continue
@@ -140,6 +142,8 @@ def main():
             "reference": jax.jit(lambda *a, Q=Q: paged_attention_reference(*a, max_query_len=Q)),
             "xla": jax.jit(lambda *a, Q=Q: paged_attention_xla(*a, max_query_len=Q)),
         }
+        if args.dtype == "float32":
+            fns["cpu"] = jax.jit(lambda *a, Q=Q: cpu_kernel.paged_attention_cpu(*a, max_query_len=Q))
         if Q == 1:
             fns["chunked"] = jax.jit(lambda q, k, v, bt, sl, _: decode_chunked(q[: bt.shape[0]], k, v, bt, sl))
         ms = {name: float(np.median(t)) for name, t in timings_ms(fns, inputs, args.rounds).items()}
@@ -147,8 +151,9 @@ def main():
         err = np.linalg.norm(np.asarray(fns["xla"](*inputs), np.float64) - expected) / np.linalg.norm(expected)
         kv_bytes = 2 * int(inputs[4].sum()) * args.num_kv_heads * args.head_dim * itemsize
         chunked = f"{ms['chunked']:10.2f}" if "chunked" in ms else f"{'':>10}"
+        cpu = f"{ms['cpu']:8.2f}" if "cpu" in ms else f"{'':>8}"
         print(f"{scenario.name:>34} {kv_bytes / BANDWIDTH * 1e3:6.2f} {ms['reference']:10.2f} {ms['xla']:8.2f}"
-              f" {ms['reference'] / ms['xla']:7.1f}x {chunked}  {err:.1e}", flush=True)
+              f" {ms['reference'] / ms['xla']:7.1f}x {chunked} {cpu}  {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":
