@@ -1,10 +1,13 @@
 // Paged attention for the CPU as an XLA FFI custom call: the same maths as reference.py, float32.
 //
 // XLA's CPU backend gathers pages into contiguous copies and runs many tiny batched matmuls; this
-// kernel instead streams each sequence's pages once through the cache, flash-attention style: a
-// tile of query rows (the query heads of one KV head, for up to kTileQ new tokens) meets one K/V
-// block at a time, with an online softmax, so K/V are read once per tile and never copied.
-// Work items (sequence, KV head, query tile) are shared out over XLA's intra-op thread pool.
+// kernel instead streams each sequence's pages once through the cache, flash-attention style: the
+// query rows of a work item (the query heads of one KV head, for one decode token or a tile of new
+// tokens) meet the K/V a chunk at a time, with an online softmax, so K/V are read once per item and
+// never copied, and causally masked chunks are never computed. Decode rows take AttendDecode (one
+// pass over K then V per page, every query head of the group at once), the rest AttendRows (two
+// register-tiled matmuls per chunk). Work items (sequence, KV head, query tile) are shared out over
+// XLA's intra-op thread pool.
 //
 // The page layout (kernels_pallas/layout.py) reaches the kernel as two strides, in elements: between
 // consecutive slots of a page and between consecutive KV heads. Token-major pages have slot stride
@@ -29,8 +32,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kTileQ = 16;  // new tokens per work item: bounds a tile's accumulators to L1 size
-constexpr int kTransposeRows = 8;  // rows from which transposing a K block pays for itself
 // Below any real score, and finite: the kernel is built with -ffast-math (vectorised exp), which
 // assumes no infinities. exp(kNoScore - m) is 0.
 constexpr float kNoScore = -1e30f;
@@ -58,86 +59,119 @@ struct WorkItem {
   int seq, kv_head, first, last;  // new tokens [first, last) of sequence seq
 };
 
-// Rows of a tile are (token i, head g) pairs; acc holds their running sum of p * V.
-void AttendTile(const Shapes& sh, const float* q, const float* k_pages, const float* v_pages,
-                const int32_t* block_tables, int seq_len, int q_start, int q_len, const WorkItem& w,
-                float scale, float* out) {
-  const int64_t D = sh.head_dim, G = sh.num_heads / sh.num_kv_heads, BS = sh.block_size;
-  const int64_t rows = (w.last - w.first) * G;
-  const int64_t slot_stride = sh.slot_stride;
+// Rows of several new tokens (a prefill chunk), and the decode rows AttendDecode does not take: a work
+// item is up to kRowsPerItem rows, (token i, query head g) for consecutive new tokens of one sequence
+// and the G query heads of one KV head, scaled q in qrows [rows][D]. Keys come kChunk positions at a
+// time, with an online softmax, as two small matmuls on register tiles:
+// - scores s [rows][kChunk] = qrows @ kt, kt being the chunk's K transposed to [D][kChunk] once for
+//   all rows, so a tile of kTileRows rows x 2 vectors of positions needs no horizontal sums;
+// - acc [rows][D] += p @ V, read in place, a tile of kTileRows rows x 2 vectors of head_dim.
+// Rows are in causal order, so the tiles that see none of a chunk are skipped: no work on masked
+// scores beyond the diagonal's own tiles.
+constexpr int kRowsPerItem = 96;  // acc, qrows and s of an item stay in L2
+constexpr int kChunk = 64;  // key positions per softmax step: a multiple of 2 * kLanes
+constexpr int kTileRows = paged_jax::kLanes == 16 ? 12 : 6;  // rows x 2 vectors: 24 of 32 AVX-512 registers, 12 of 16 AVX2
+
+// s[m][0:2L] = sum_d q[m][d] * kt[d][0:2L] for the kTileRows rows at q (D apart) into s (kChunk apart).
+void ScoreTile(const float* q, const float* kt, int64_t D, float* s) {
+  using paged_jax::Load;
+  using paged_jax::Vec;
+  constexpr int L = paged_jax::kLanes;
+  Vec acc[kTileRows][2] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const Vec k0 = Load(kt + d * kChunk), k1 = Load(kt + d * kChunk + L);
+#pragma GCC unroll 12
+    for (int m = 0; m < kTileRows; ++m) {
+      const float qs = q[m * D + d];
+      acc[m][0] += qs * k0;
+      acc[m][1] += qs * k1;
+    }
+  }
+  for (int m = 0; m < kTileRows; ++m) paged_jax::Store(s + m * kChunk, acc[m][0]), paged_jax::Store(s + m * kChunk + L, acc[m][1]);
+}
+
+// acc[m][0:NV*L] += sum_t p[m][t] * v[t][0:NV*L] for the kTileRows rows at p (kChunk apart) and acc
+// (D apart), over n positions whose V rows (offset to this tile's dims) are at v[t].
+template <int NV>
+void ValueTile(const float* p, const float* const* v, int64_t offset, int n, float* acc, int64_t D) {
+  using paged_jax::Load;
+  using paged_jax::Vec;
+  constexpr int L = paged_jax::kLanes;
+  Vec c[kTileRows][NV];
+  for (int m = 0; m < kTileRows; ++m)
+    for (int j = 0; j < NV; ++j) c[m][j] = Load(acc + m * D + j * L);
+  for (int t = 0; t < n; ++t) {
+    Vec vt[NV];
+    for (int j = 0; j < NV; ++j) vt[j] = Load(v[t] + offset + j * L);
+#pragma GCC unroll 12
+    for (int m = 0; m < kTileRows; ++m) {
+      const float ps = p[m * kChunk + t];
+      for (int j = 0; j < NV; ++j) c[m][j] += ps * vt[j];
+    }
+  }
+  for (int m = 0; m < kTileRows; ++m)
+    for (int j = 0; j < NV; ++j) paged_jax::Store(acc + m * D + j * L, c[m][j]);
+}
+
+void AttendRows(const Shapes& sh, const float* q, const float* k_pages, const float* v_pages, const int32_t* table,
+                int seq_len, int q_start, int q_len, const WorkItem& w, float scale, float* out) {
+  constexpr int L = paged_jax::kLanes;
+  const int64_t D = sh.head_dim, G = sh.num_heads / sh.num_kv_heads, BS = sh.block_size, ss = sh.slot_stride;
   const int64_t block_stride = BS * sh.num_kv_heads * D;
-  std::vector<float> acc(rows * D, 0.0f), m(rows, kNoScore), l(rows, 0.0f), s(BS);
-  std::vector<float> qrows(rows * D), kt(D * BS, 0.0f);
-  std::vector<int> limit(rows);  // last position each row may see (causal)
-  for (int i = w.first; i < w.last; ++i) {
-    for (int g = 0; g < G; ++g) {
-      const int64_t r = (i - w.first) * G + g;
-      const float* src = q + ((q_start + i) * sh.num_heads + w.kv_head * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d] * scale;
-      limit[r] = seq_len - q_len + i;
+  const int rows = (w.last - w.first) * G;
+  const int padded = (rows + kTileRows - 1) / kTileRows * kTileRows;  // padding rows: q = 0, never stored
+  std::vector<float> qrows(padded * D, 0.0f), acc(padded * D, 0.0f), s(padded * kChunk), kt(D * kChunk);
+  std::vector<float> m(padded, kNoScore), l(padded, 0.0f);
+  std::vector<int> limit(padded);  // the last position each row sees (causal), ascending
+  for (int r = 0; r < padded; ++r) {
+    const int i = w.first + std::min(r, rows - 1) / G;
+    limit[r] = seq_len - q_len + i;
+    if (r >= rows) continue;
+    const float* src = q + ((q_start + i) * sh.num_heads + w.kv_head * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d] * scale;
+  }
+  const float* k_rows[kChunk];
+  const float* v_rows[kChunk];
+  for (int c0 = 0; c0 <= limit[padded - 1]; c0 += kChunk) {
+    // Only written slots are read (the rest may hold NaN); kt's columns past n are zero.
+    const int n = std::min(kChunk, limit[padded - 1] + 1 - c0);
+    for (int t = 0; t < n; ++t) {
+      const int pos = c0 + t;
+      const int64_t base = (int64_t)table[pos / BS] * block_stride + w.kv_head * sh.head_stride + pos % BS * ss;
+      k_rows[t] = k_pages + base, v_rows[t] = v_pages + base;
+      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = k_rows[t][d];
+    }
+    for (int64_t d = 0; d < D; ++d) std::fill(&kt[d * kChunk + n], &kt[d * kChunk + kChunk], 0.0f);
+    for (int r0 = 0; r0 < padded; r0 += kTileRows) {
+      if (limit[r0 + kTileRows - 1] < c0) continue;  // the tile sees none of this chunk
+      float* st = &s[r0 * kChunk];
+      for (int c = 0; c < n; c += 2 * L) ScoreTile(&qrows[r0 * D], &kt[c], D, st + c);
+      for (int r = r0; r < r0 + kTileRows; ++r) {  // the online softmax over the positions row r sees
+        float* sr = &s[r * kChunk];
+        const int seen = std::clamp(limit[r] - c0 + 1, 0, n);
+        float chunk_max = kNoScore;
+        for (int t = 0; t < seen; ++t) chunk_max = std::max(chunk_max, sr[t]);
+        const float m_new = std::max(m[r], chunk_max), alpha = std::exp(m[r] - m_new);
+        float sum = 0.0f;
+        for (int t = 0; t < seen; ++t) sum += (sr[t] = std::exp(sr[t] - m_new));
+        std::fill(sr + seen, sr + n, 0.0f);
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= alpha;
+      }
+      float* at = &acc[r0 * D];
+      int64_t d0 = 0;
+      for (; d0 + 2 * L <= D; d0 += 2 * L) ValueTile<2>(st, v_rows, d0, n, at + d0, D);
+      if (d0 + L <= D) ValueTile<1>(st, v_rows, d0, n, at + d0, D), d0 += L;
+      for (int r = 0; r < kTileRows; ++r)  // head_dim past the last vector
+        for (int t = 0; t < n; ++t)
+          for (int64_t d = d0; d < D; ++d) at[r * D + d] += st[r * kChunk + t] * v_rows[t][d];
     }
   }
-  const int last_pos = seq_len - q_len + w.last - 1;
-  const int32_t* table = block_tables + w.seq * sh.max_blocks;
-  for (int b = 0; b * BS <= last_pos; ++b) {
-    const int64_t base = (int64_t)table[b] * block_stride + w.kv_head * sh.head_stride;
-    const float* kb = k_pages + base;
-    const float* vb = v_pages + base;
-    const int valid = (int)std::min<int64_t>(BS, last_pos + 1 - b * BS);
-    // Many rows (a prefill tile) share one transposed copy of K, [head_dim][position]: each row's
-    // scores are then FMAs across positions with no horizontal sums. A few rows (a decode) read K
-    // in place. Only written slots are read: the rest may hold NaN.
-    const bool transposed = rows >= kTransposeRows;
-    if (transposed)
-      for (int t = 0; t < valid; ++t)
-        for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = kb[t * slot_stride + d];
-    for (int64_t r = 0; r < rows; ++r) {
-      // Causality masks a suffix of the block: the row sees positions [0, n) of it.
-      const int n = std::min(valid, limit[r] - b * (int)BS + 1);
-      if (n <= 0) continue;
-      const float* qr = &qrows[r * D];
-      if (transposed) {
-        for (int t = 0; t < BS; ++t) s[t] = 0.0f;
-        for (int64_t d = 0; d < D; ++d) {
-          const float qd = qr[d];
-          const float* kd = &kt[d * BS];
-          for (int t = 0; t < BS; ++t) s[t] += qd * kd[t];
-        }
-      } else {
-        for (int t = 0; t < n; ++t) {
-          const float* kt_row = kb + t * slot_stride;
-          float dot = 0.0f;
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt_row[d];
-          s[t] = dot;
-        }
-      }
-      float block_max = kNoScore;
-      for (int t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
-      const float m_new = std::max(m[r], block_max);
-      const float alpha = std::exp(m[r] - m_new);  // 0 on the first block
-      float sum = 0.0f;
-      for (int t = 0; t < n; ++t) {
-        s[t] = std::exp(s[t] - m_new);
-        sum += s[t];
-      }
-      float* ar = &acc[r * D];
-      for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-      for (int t = 0; t < n; ++t) {
-        const float p = s[t];
-        const float* vt = vb + t * slot_stride;
-        for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
-      }
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
-    }
-  }
-  for (int i = w.first; i < w.last; ++i) {
-    for (int g = 0; g < G; ++g) {
-      const int64_t r = (i - w.first) * G + g;
-      float* dst = out + ((q_start + i) * sh.num_heads + w.kv_head * G + g) * D;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
-    }
+  for (int r = 0; r < rows; ++r) {
+    float* dst = out + ((q_start + w.first + r / G) * sh.num_heads + w.kv_head * G + r % G) * D;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
   }
 }
 
@@ -244,7 +278,7 @@ void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const 
 using DecodeFn = void (*)(const Shapes&, const float*, const float*, const float*, const int32_t*, int, int64_t, int,
                           float, float*);
 
-// AttendDecode for this shape, or nullptr where it does not apply (AttendTile serves every shape).
+// AttendDecode for this shape, or nullptr where it does not apply (AttendRows serves every shape).
 DecodeFn DecodeFor(const Shapes& sh) {
   if (sh.head_dim % paged_jax::kLanes || sh.head_dim > kMaxHeadDim || sh.block_size > kMaxBlockSize) return nullptr;
   switch (sh.num_heads / sh.num_kv_heads) {
@@ -261,7 +295,7 @@ DecodeFn DecodeFor(const Shapes& sh) {
 ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                              ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
                              ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                             float scale, bool single_token_rows_only, int64_t block_size, int64_t num_kv_heads,
+                             float scale, int64_t block_size, int64_t num_kv_heads,
                              int64_t slot_stride, int64_t head_stride, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), pd = k_pages.dimensions(), bd = block_tables.dimensions();
   const Shapes sh{qd[0], qd[1], qd[2], pd[0], block_size, num_kv_heads, bd[0], bd[1], slot_stride, head_stride};
@@ -277,16 +311,17 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
   const int32_t* tables = block_tables.typed_data();
   for (int s = 0; s < sh.num_seqs; ++s) {
     const int q_len = starts[s + 1] - starts[s];
-    if (q_len <= 0 || lens[s] <= 0 || (single_token_rows_only && q_len > 1)) continue;
+    if (q_len <= 0 || lens[s] <= 0) continue;
     // Bad metadata must fail loudly here rather than read outside the buffers.
     if (starts[s] < 0 || starts[s + 1] > sh.num_tokens || q_len > lens[s] || lens[s] > sh.max_blocks * sh.block_size)
       return ffi::Error::InvalidArgument("paged attention: inconsistent seq_lens / query_start_loc");
     for (int64_t b = 0; b * sh.block_size < lens[s]; ++b)
       if (tables[s * sh.max_blocks + b] < 0 || tables[s * sh.max_blocks + b] >= sh.num_blocks)
         return ffi::Error::InvalidArgument("paged attention: block table entry outside the page pool");
+    const int tokens = std::max<int>(1, kRowsPerItem / (sh.num_heads / num_kv_heads));
     for (int h = 0; h < sh.num_kv_heads; ++h)
-      for (int first = 0; first < q_len; first += kTileQ)
-        items.push_back({s, h, first, std::min(first + kTileQ, q_len)});
+      for (int first = 0; first < q_len; first += tokens)
+        items.push_back({s, h, first, std::min(first + tokens, q_len)});
   }
   // Longest contexts first, so the last items handed out are the short ones.
   std::sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
@@ -304,7 +339,7 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
                lens[w.seq], starts[w.seq], w.kv_head, scale, out->typed_data());
         continue;
       }
-      AttendTile(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), block_tables.typed_data(),
+      AttendRows(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), tables + w.seq * sh.max_blocks,
                  lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq], w, scale, out->typed_data());
     }
   };
@@ -324,7 +359,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpuF32, PagedAttentionF32,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
-                                  .Attr<bool>("single_token_rows_only")
                                   .Attr<int64_t>("block_size")
                                   .Attr<int64_t>("num_kv_heads")
                                   .Attr<int64_t>("slot_stride")

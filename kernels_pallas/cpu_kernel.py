@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import xla_cpu
 from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
 
 _HERE = Path(__file__).parent
@@ -137,12 +136,13 @@ def paged_attention_cpu(
 ) -> jax.Array:
     """Same contract as paged_attention_reference, for float32 q and pages.
 
-    Rows with one new token (decodes) go through the kernel, which streams their pages once; rows
-    with several go through XLA's query tiles (xla_cpu.py), whose dots run near matmul speed.
+    The kernel streams each sequence's pages once per KV head and work item: decode rows one token
+    at a time, rows of several new tokens in query tiles whose dots run on register tiles.
 
     q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 pages in `layout` (layout.py; the
     kernel is told the layout's strides); block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32
     [num_seqs]; query_start_loc: int32 [num_seqs + 1]. Returns f32 [num_tokens, num_heads, head_dim].
+    max_query_len is the seam's static bound, unused: the kernel reads each row's length at run time.
     """
     if not available():
         raise RuntimeError("the CPU attention kernel could not be built; use the 'xla' path")
@@ -152,11 +152,7 @@ def paged_attention_cpu(
     args = (q, k_pages, v_pages, block_tables.astype(np.int32), seq_lens.astype(np.int32),
             query_start_loc.astype(np.int32))
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    out = call(*args, scale=np.float32(scale), single_token_rows_only=max_query_len > 1,
-               **layout_attributes(k_pages, layout))
-    if max_query_len > 1:
-        out = xla_cpu.attend_multi_token_rows(out, *args, scale=scale, layout=layout)
-    return out
+    return call(*args, scale=np.float32(scale), **layout_attributes(k_pages, layout))
 
 
 def pack_columns(w: jax.Array) -> jax.Array:

@@ -107,23 +107,11 @@ def _paged_attention_xla(
         jnp.zeros(q.shape, q.dtype), q, k_pages, v_pages, block_tables, jnp.where(q_lens == 1, seq_lens, 0),
         query_start_loc, scale=scale, group_rows=decode_group, chunk_pages=decode_chunk_pages, layout=layout,
     )
-    if tiles:
-        out = attend_multi_token_rows(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                                      scale=scale, tile=prefill_tile, chunk_pages=prefill_chunk_pages,
-                                      layout=layout)
+    if tiles:  # prefill_tile was bounded by num_tokens in paged_attention_xla
+        out = _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+                       jnp.where(q_lens > 1, q_lens, 0), scale=scale, tile=prefill_tile,
+                       chunk_pages=prefill_chunk_pages, layout=layout)
     return out
-
-
-def attend_multi_token_rows(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, scale: float,
-                            tile: int = 256, chunk_pages: int = 16, layout: str = TOKEN_MAJOR) -> jax.Array:
-    """`out` with the attention of every row holding several new tokens written in (query tiles);
-    the other rows' tokens are left as they are. The CPU kernel pairs its decode with this.
-
-    out, q: [num_tokens, num_heads, head_dim]; other arguments as paged_attention_xla's.
-    """
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    return _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, jnp.where(q_lens > 1, q_lens, 0),
-                    scale=scale, tile=min(tile, q.shape[0]), chunk_pages=chunk_pages, layout=layout)
 
 
 def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *, scale, group_rows,

@@ -1,5 +1,5 @@
 """Attention on the CPU, one layer at engine-shaped steps: the jnp reference against the XLA path
-and, for float32, the C++ kernel (kernels_pallas/cpu_kernel.py: its decode rows, XLA's tiles for the rest).
+and, for float32, the C++ kernel (kernels_pallas/cpu_kernel.py).
 
     python scripts/bench_attention_cpu.py                  # SmolLM2-135M shapes, float32
     python scripts/bench_attention_cpu.py --dtype bfloat16 --rounds 2 --only decode

@@ -98,20 +98,28 @@ def test_bad_block_table_is_an_error_not_a_crash():
 
 
 def _call_kernel(inputs, kv_layout, **attributes):
-    """The kernel alone, attending every row itself (no XLA tiles), with `attributes` replacing the
-    ones the layout gives."""
+    """The kernel's FFI call, with `attributes` replacing the ones the layout gives."""
     call = jax.ffi.ffi_call(cpu_kernel._TARGET, jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype))
-    return call(*inputs, scale=np.float32(inputs[0].shape[-1] ** -0.5), single_token_rows_only=False,
+    return call(*inputs, scale=np.float32(inputs[0].shape[-1] ** -0.5),
                 **cpu_kernel.layout_attributes(inputs[1], kv_layout) | attributes)
 
 
+# Rows of several new tokens go through register tiles of 2 vectors, then 1, then scalars along
+# head_dim (64, 40 and 12 reach each), query tiles of 96 / group rows padded to whole register tiles,
+# and key chunks of 64 positions cut across blocks of any size; the causal diagonal falls inside
+# and across chunks.
+PREFILL_SHAPES = [(3, 64, 16), (1, 64, 8), (5, 40, 16), (7, 12, 5), (4, 128, 128), (2, 16, 32)]
+
+
 @pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
-def test_kernel_alone_covers_multi_token_rows(kv_layout):
-    """With tiles left to XLA in the seam, the kernel's own prefill loop must still be right."""
-    case = Case(q_lens=(1, 37, 5, 0, 60), seq_lens=(50, 37, 20, 0, 130), layout=kv_layout)
-    inputs = make_inputs(case, seed=3)
-    out = _call_kernel(inputs, kv_layout)
+@pytest.mark.parametrize("group,head_dim,block_size", PREFILL_SHAPES)
+def test_multi_token_rows_of_every_shape(group, head_dim, block_size, kv_layout):
+    case = Case(q_lens=(1, 37, 5, 0, 130, 64, 65), seq_lens=(50, 37, 20, 0, 300, 64, 129), num_heads=2 * group,
+                num_kv_heads=2, head_dim=head_dim, block_size=block_size, layout=kv_layout)
+    inputs = make_inputs(case, seed=group)
+    out = cpu_kernel.paged_attention_cpu(*inputs, max_query_len=case.max_query_len, layout=kv_layout)
     ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=kv_layout)
+    assert not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
     assert rel_err(out, ref) < TOLERANCE[jnp.float32]
 
 
