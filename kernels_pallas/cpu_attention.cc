@@ -175,108 +175,109 @@ void AttendRows(const Shapes& sh, const float* q, const float* k_pages, const fl
   }
 }
 
-// A decode row (one new token) of G query heads sharing a KV head, with the vectors along head_dim:
-// scores for two positions at a time (2 * G independent sums), then p * V for two vectors of head_dim
-// at a time, every query head at once, so each K and V row is read from memory once and feeds G
-// FMAs per load. Bounds: kMaxHeadDim, kMaxBlockSize; head_dim a multiple of kLanes.
+// A decode row (one new token) of a sequence, every KV head in one work item, so that each block's K,
+// then its V, is read whole and in memory order: the hardware prefetcher streams a block at the full
+// read rate of the machine, where the strided rows of one KV head at a time (a third of every block,
+// for SmolLM2) ran at half of it, and software prefetches (tried, of the next blocks) only slowed it.
+// Vectors run along head_dim. Scores come two positions at a time for the G query heads sharing a KV
+// head (2 * G independent sums, each K load feeding G FMAs), then p * V row by row into accumulators
+// in L1. Bounds: head_dim a multiple of kLanes and at most kMaxHeadDim, blocks of at most kMaxBlockSize.
 constexpr int kMaxHeadDim = 256, kMaxBlockSize = 128;
-constexpr int kAhead = 2;  // blocks
 
 template <int G>
 void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const float* v_pages, const int32_t* table,
-                  int seq_len, int64_t token, int kv_head, float scale, float* out) {
+                  int seq_len, int64_t token, float scale, float* out) {
   using paged_jax::Load;
   using paged_jax::Vec;
   constexpr int L = paged_jax::kLanes;
-  const int64_t D = sh.head_dim, BS = sh.block_size, V = D / L, ss = sh.slot_stride;
-  const int64_t block_stride = BS * sh.num_kv_heads * D;
-  alignas(64) float qs[G][kMaxHeadDim], acc[G][kMaxHeadDim], s[G][kMaxBlockSize];
-  float m[G], l[G];
-  for (int g = 0; g < G; ++g) {
-    const float* src = q + (token * sh.num_heads + kv_head * G + g) * D;
-    for (int64_t d = 0; d < D; ++d) qs[g][d] = src[d] * scale, acc[g][d] = 0.0f;
-    m[g] = kNoScore, l[g] = 0.0f;
-  }
-  auto prefetch = [&](int64_t b) {
-    if (b * BS >= seq_len) return;
-    const int64_t base = (int64_t)table[b] * block_stride + kv_head * sh.head_stride;
-    for (int64_t i = 0; i < std::min<int64_t>(BS, seq_len - b * BS); ++i)
-      for (int64_t d = 0; d < D; d += 64 / sizeof(float)) {
-        __builtin_prefetch(k_pages + base + i * ss + d);
-        __builtin_prefetch(v_pages + base + i * ss + d);
+  const int64_t D = sh.head_dim, BS = sh.block_size, V = D / L, H = sh.num_kv_heads;
+  const int64_t ss = sh.slot_stride, hs = sh.head_stride, block_stride = BS * H * D;
+  // The page's rows in memory order: slots outer for token-major pages, KV heads outer for head-major.
+  const bool slots_outer = ss > hs;
+  // Per query head r = h * G + g: its scaled q, accumulator, running max and sum; scores per block.
+  std::vector<float> qs(H * G * D), acc(H * G * D, 0.0f), s(H * G * BS), m(H * G, kNoScore), l(H * G, 0.0f);
+  const float* q_token = q + token * sh.num_heads * D;
+  for (int64_t i = 0; i < H * G * D; ++i) qs[i] = q_token[i] * scale;
+
+  auto score_two = [&](const float* kb, int64_t h, int t) {  // positions t, t + 1 of KV head h
+    Vec a0[G] = {}, a1[G] = {};
+    const float* k0 = kb + t * ss + h * hs;
+    for (int64_t v = 0; v < V; ++v) {
+      const Vec x0 = Load(k0 + v * L), x1 = Load(k0 + ss + v * L);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const Vec qv = Load(&qs[(h * G + g) * D + v * L]);
+        a0[g] += qv * x0;
+        a1[g] += qv * x1;
       }
+    }
+    for (int g = 0; g < G; ++g) s[(h * G + g) * BS + t] = paged_jax::Sum(a0[g]), s[(h * G + g) * BS + t + 1] = paged_jax::Sum(a1[g]);
   };
-  for (int64_t b = 0; b < kAhead; ++b) prefetch(b);
+  auto score_one = [&](const float* kb, int64_t h, int t) {
+    Vec a0[G] = {};
+    for (int64_t v = 0; v < V; ++v) {
+      const Vec x0 = Load(kb + t * ss + h * hs + v * L);
+      for (int g = 0; g < G; ++g) a0[g] += Load(&qs[(h * G + g) * D + v * L]) * x0;
+    }
+    for (int g = 0; g < G; ++g) s[(h * G + g) * BS + t] = paged_jax::Sum(a0[g]);
+  };
+  auto add_value = [&](const float* vb, int64_t h, int t) {  // acc += p * V for position t of KV head h
+    const float* row = vb + t * ss + h * hs;
+    float* a = &acc[h * G * D];
+    const float* p = &s[h * G * BS + t];
+    for (int64_t v = 0; v < V; ++v) {
+      const Vec x = Load(row + v * L);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) paged_jax::Store(a + g * D + v * L, Load(a + g * D + v * L) + p[g * BS] * x);
+    }
+  };
+
   for (int64_t b = 0; b * BS < seq_len; ++b) {
-    const int64_t base = (int64_t)table[b] * block_stride + kv_head * sh.head_stride;
+    const int64_t base = (int64_t)table[b] * block_stride;
     const float* kb = k_pages + base;
     const float* vb = v_pages + base;
     const int n = (int)std::min<int64_t>(BS, seq_len - b * BS);  // written slots only: the rest may hold NaN
-    // Pages lie in any order, so the hardware prefetcher cannot guess the next ones: ask for them
-    // while this one is computed. Without this the kernel waits on memory at a third of its bandwidth.
-    prefetch(b + kAhead);
-    int t = 0;
-    for (; t + 2 <= n; t += 2) {
-      Vec a0[G] = {}, a1[G] = {};
-      for (int64_t v = 0; v < V; ++v) {
-        const Vec k0 = Load(kb + t * ss + v * L), k1 = Load(kb + (t + 1) * ss + v * L);
-#pragma GCC unroll 8
-        for (int g = 0; g < G; ++g) {
-          const Vec qv = Load(&qs[g][v * L]);
-          a0[g] += qv * k0;
-          a1[g] += qv * k1;
-        }
+    if (slots_outer) {
+      int t = 0;
+      for (; t + 2 <= n; t += 2)
+        for (int64_t h = 0; h < H; ++h) score_two(kb, h, t);
+      for (; t < n; ++t)
+        for (int64_t h = 0; h < H; ++h) score_one(kb, h, t);
+    } else {
+      for (int64_t h = 0; h < H; ++h) {
+        int t = 0;
+        for (; t + 2 <= n; t += 2) score_two(kb, h, t);
+        for (; t < n; ++t) score_one(kb, h, t);
       }
-      for (int g = 0; g < G; ++g) s[g][t] = paged_jax::Sum(a0[g]), s[g][t + 1] = paged_jax::Sum(a1[g]);
     }
-    for (; t < n; ++t) {
-      Vec a0[G] = {};
-      for (int64_t v = 0; v < V; ++v) {
-        const Vec k0 = Load(kb + t * ss + v * L);
-        for (int g = 0; g < G; ++g) a0[g] += Load(&qs[g][v * L]) * k0;
-      }
-      for (int g = 0; g < G; ++g) s[g][t] = paged_jax::Sum(a0[g]);
-    }
-    for (int g = 0; g < G; ++g) {  // the online softmax
+    for (int64_t r = 0; r < H * G; ++r) {  // the online softmax
+      float* sr = &s[r * BS];
       float block_max = kNoScore;
-      for (int i = 0; i < n; ++i) block_max = std::max(block_max, s[g][i]);
-      const float m_new = std::max(m[g], block_max), alpha = std::exp(m[g] - m_new);
+      for (int i = 0; i < n; ++i) block_max = std::max(block_max, sr[i]);
+      const float m_new = std::max(m[r], block_max), alpha = std::exp(m[r] - m_new);
       float sum = 0.0f;
-      for (int i = 0; i < n; ++i) sum += (s[g][i] = std::exp(s[g][i] - m_new));
-      l[g] = l[g] * alpha + sum;
-      m[g] = m_new;
-      for (int64_t d = 0; d < D; ++d) acc[g][d] *= alpha;
+      for (int i = 0; i < n; ++i) sum += (sr[i] = std::exp(sr[i] - m_new));
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= alpha;
     }
-    int64_t v = 0;
-    for (; v + 2 <= V; v += 2) {
-      Vec c0[G], c1[G];
-      for (int g = 0; g < G; ++g) c0[g] = Load(&acc[g][v * L]), c1[g] = Load(&acc[g][(v + 1) * L]);
-      for (int i = 0; i < n; ++i) {
-        const Vec v0 = Load(vb + i * ss + v * L), v1 = Load(vb + i * ss + (v + 1) * L);
-#pragma GCC unroll 8
-        for (int g = 0; g < G; ++g) c0[g] += s[g][i] * v0, c1[g] += s[g][i] * v1;
-      }
-      for (int g = 0; g < G; ++g) paged_jax::Store(&acc[g][v * L], c0[g]), paged_jax::Store(&acc[g][(v + 1) * L], c1[g]);
-    }
-    for (; v < V; ++v) {
-      Vec c0[G];
-      for (int g = 0; g < G; ++g) c0[g] = Load(&acc[g][v * L]);
-      for (int i = 0; i < n; ++i) {
-        const Vec v0 = Load(vb + i * ss + v * L);
-        for (int g = 0; g < G; ++g) c0[g] += s[g][i] * v0;
-      }
-      for (int g = 0; g < G; ++g) paged_jax::Store(&acc[g][v * L], c0[g]);
+    if (slots_outer) {
+      for (int t = 0; t < n; ++t)
+        for (int64_t h = 0; h < H; ++h) add_value(vb, h, t);
+    } else {
+      for (int64_t h = 0; h < H; ++h)
+        for (int t = 0; t < n; ++t) add_value(vb, h, t);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    float* dst = out + (token * sh.num_heads + kv_head * G + g) * D;
-    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) dst[d] = acc[g][d] * inv;
+  float* dst = out + token * sh.num_heads * D;
+  for (int64_t r = 0; r < H * G; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[r * D + d] = acc[r * D + d] * inv;
   }
 }
 
-using DecodeFn = void (*)(const Shapes&, const float*, const float*, const float*, const int32_t*, int, int64_t, int,
-                          float, float*);
+using DecodeFn = void (*)(const Shapes&, const float*, const float*, const float*, const int32_t*, int, int64_t, float,
+                          float*);
 
 // AttendDecode for this shape, or nullptr where it does not apply (AttendRows serves every shape).
 DecodeFn DecodeFor(const Shapes& sh) {
@@ -307,6 +308,7 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
   const int32_t* lens = seq_lens.typed_data();
   const int32_t* starts = query_start_loc.typed_data();
 
+  const DecodeFn decode = DecodeFor(sh);
   std::vector<WorkItem> items;
   const int32_t* tables = block_tables.typed_data();
   for (int s = 0; s < sh.num_seqs; ++s) {
@@ -318,6 +320,10 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
     for (int64_t b = 0; b * sh.block_size < lens[s]; ++b)
       if (tables[s * sh.max_blocks + b] < 0 || tables[s * sh.max_blocks + b] >= sh.num_blocks)
         return ffi::Error::InvalidArgument("paged attention: block table entry outside the page pool");
+    if (q_len == 1 && decode != nullptr) {
+      items.push_back({s, 0, 0, 1});  // every KV head
+      continue;
+    }
     const int tokens = std::max<int>(1, kRowsPerItem / (sh.num_heads / num_kv_heads));
     for (int h = 0; h < sh.num_kv_heads; ++h)
       for (int first = 0; first < q_len; first += tokens)
@@ -329,14 +335,13 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
            lens[b.seq] - (starts[b.seq + 1] - starts[b.seq]) + b.last;
   });
   std::atomic<size_t> next{0};
-  const DecodeFn decode = DecodeFor(sh);
   auto work = [&] {
     FlushDenormals flush;
     for (size_t i; (i = next.fetch_add(1)) < items.size();) {
       const WorkItem& w = items[i];
       if (decode != nullptr && starts[w.seq + 1] - starts[w.seq] == 1) {
         decode(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), tables + w.seq * sh.max_blocks,
-               lens[w.seq], starts[w.seq], w.kv_head, scale, out->typed_data());
+               lens[w.seq], starts[w.seq], scale, out->typed_data());
         continue;
       }
       AttendRows(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), tables + w.seq * sh.max_blocks,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import LLMEngine, SamplingParams
+from kernels_pallas.layout import LAYOUTS
 from paged_jax import step_profile
 from paged_jax.config import DTYPES, MATMUL_BACKENDS
 from paged_jax.step_profile import matmul_peak_gflops
@@ -41,6 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-layout", choices=LAYOUTS, default="token_major", help="of the KV pages (kernels_pallas/layout.py)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
                    help="auto: the C++ kernel over packed weights for float32 on one CPU device, else XLA")
@@ -92,7 +94,7 @@ def make_engine(args) -> LLMEngine:
     """The engine add_engine_args' options describe."""
     return LLMEngine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                                      max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-                                     matmul_backend=args.matmul_backend,
+                                     matmul_backend=args.matmul_backend, kv_layout=args.kv_layout,
                                      tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
