@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend, cpu_kernel
+from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
 from paged_jax.policy import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -22,7 +23,8 @@ class EngineConfig:
     """What the user asks of the engine. Values found at run time (how many blocks fit, the model's
     context length, what "auto" means on this device) live in `ResolvedConfig`, never written back here."""
 
-    block_size: int = 16
+    # Tokens per KV block; None: what the attention backend reads fastest (kv_block_defaults).
+    block_size: int | None = None
     # KV capacity: an explicit block count wins over an explicit memory budget, which wins over
     # gpu_memory_utilization (a GPU) or HOST_KV_CACHE_MEMORY_BYTES (elsewhere).
     num_blocks: int | None = None
@@ -47,8 +49,9 @@ class EngineConfig:
     # "xla" leaves them to XLA's dot; "auto" takes "cpu" for float32 weights on one CPU device.
     matmul_backend: str = "auto"
     # How each layer's K/V pages are laid out (kernels_pallas/layout.py): token-major
-    # [num_blocks, block_size, kv_heads, head_dim] or head-major [num_blocks, kv_heads, block_size, head_dim].
-    kv_layout: str = "token_major"
+    # [num_blocks, block_size, kv_heads, head_dim] or head-major [num_blocks, kv_heads, block_size, head_dim];
+    # "auto": what the attention backend reads fastest (kv_block_defaults).
+    kv_layout: str = "auto"
     # Devices the model's heads and MLP are split over (models/sharding.py); on a GPU the KV budget is per device.
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -74,8 +77,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
-        if self.kv_layout not in LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {self.kv_layout!r}")
+        if self.kv_layout not in ("auto", *LAYOUTS):
+            raise ValueError(f"kv_layout must be 'auto' or one of {LAYOUTS}, got {self.kv_layout!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,6 +86,8 @@ class ResolvedConfig:
     """What the engine settled on once it knew the model, the device and its memory."""
 
     num_blocks: int
+    block_size: int
+    kv_layout: str  # one of kernels_pallas.LAYOUTS
     max_model_len: int
     max_blocks_per_seq: int
     dtype: str  # of the KV cache: "float32" or "bfloat16"
@@ -159,6 +164,21 @@ def choose_matmul_backend(config: EngineConfig, platform: str, weights_dtype) ->
     return BackendChoice("xla", reasons[0], False)
 
 
+def kv_block_defaults(config: EngineConfig, attention_backend: str) -> tuple[int, str]:
+    """(block_size, kv_layout): the ones asked for, else what the attention backend reads fastest.
+
+    The C++ CPU kernel reads a sequence's blocks whole, each at the rate the hardware prefetcher
+    streams within a page: head-major blocks of 64 slots (a KV head's rows contiguous) read K/V about
+    1.5x faster than token-major blocks of 16 (scripts/bench_attention_cpu.py; vLLM's CPU build takes
+    blocks of 128 for the same reason). Elsewhere, 16-slot token-major blocks: the Pallas kernel's
+    tiles and the XLA path's page chunks are sized for them.
+    """
+    fast_cpu = attention_backend == "cpu"
+    block_size = config.block_size or (64 if fast_cpu else 16)
+    kv_layout = config.kv_layout if config.kv_layout != "auto" else (HEAD_MAJOR if fast_cpu else TOKEN_MAJOR)
+    return block_size, kv_layout
+
+
 def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -> ResolvedConfig:
     """Settle the run-time values: context length from the model, dtype from the weights, attention
     backend from the platform, block count from the memory budget.
@@ -175,6 +195,7 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
         raise ValueError(f"attention_backend {backend!r} runs on {_BACKEND_PLATFORM[backend]} only, and this "
                          f"engine runs on {platform}; use 'auto' (or 'pallas_interpret' to run the Pallas "
                          "kernel's body off a GPU, slowly)")
+    block_size, kv_layout = kv_block_defaults(config, backend)
     # The context length is the model's, cut to what one sequence can always be given, so that no
     # request waits forever for room: the whole KV cache and, without chunked prefill, one step's
     # tokens (a preempted sequence is computed again in one step). An explicit max_model_len beyond
@@ -187,21 +208,21 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
         kv_heads = model_config.num_kv_heads
         if platform == "gpu":
             kv_heads //= config.tensor_parallel_size
-        per_block = bytes_per_block(model_config.num_layers, config.block_size, kv_heads, model_config.head_dim, dtype)
+        per_block = bytes_per_block(model_config.num_layers, block_size, kv_heads, model_config.head_dim, dtype)
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
         num_blocks = min(kv_cache_budget(config, device) // per_block,
-                         4 * -(-wanted // config.block_size) * config.max_num_seqs) + 1
+                         4 * -(-wanted // block_size) * config.max_num_seqs) + 1
     if num_blocks - 1 < 1:
         raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
-    pool = f"what the KV cache holds ({num_blocks - 1} blocks of {config.block_size})"
-    limits = {"the model's context length": model_config.max_model_len, pool: (num_blocks - 1) * config.block_size}
+    pool = f"what the KV cache holds ({num_blocks - 1} blocks of {block_size})"
+    limits = {"the model's context length": model_config.max_model_len, pool: (num_blocks - 1) * block_size}
     if not config.enable_chunked_prefill:
         limits["max_num_batched_tokens, as chunked prefill is off"] = config.max_num_batched_tokens
     for what, limit in limits.items():
         if wanted > limit and config.max_model_len is not None:
             raise ValueError(f"max_model_len {wanted} exceeds {what}: {limit} tokens")
     max_model_len = min(wanted, *limits.values())
-    max_blocks_per_seq = -(-max_model_len // config.block_size)
-    return ResolvedConfig(num_blocks=num_blocks, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
+    max_blocks_per_seq = -(-max_model_len // block_size)
+    return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
                           dtype=dtype, platform=platform, attention=attention,
                           matmul=choose_matmul_backend(config, platform, weights_dtype))

@@ -105,7 +105,7 @@ class LLMEngine:
         if self.resolved.matmul_backend == "cpu":
             model = models.pack_for_cpu(model)
         self.runner = ModelRunner(model, model_config, self.config, self.resolved, mesh)
-        self.blocks = BlockManager(self.resolved.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -310,7 +310,7 @@ class LLMEngine:
         if in_use > self.peak_blocks_in_use:
             self.peak_blocks_in_use = in_use
             held = sum(s.num_new_tokens for s in scheduled) + sum(s.num_computed_tokens for s in self.scheduler.running)
-            self.peak_slot_fill = held / (in_use * self.config.block_size)
+            self.peak_slot_fill = held / (in_use * self.resolved.block_size)
 
     def _append_token(self, seq: Sequence, sampled, row: int, now: float) -> None:
         token = int(sampled.tokens[row])

@@ -88,6 +88,7 @@ class ModelRunner:
         self.mesh = mesh
         self.model_config = model_config
         self.config = config
+        self.resolved = resolved
         self._num_blocks = resolved.num_blocks
         self.attention_backend = resolved.attention_backend
         self._kv_dtype = jnp.dtype(resolved.dtype)
@@ -99,10 +100,10 @@ class ModelRunner:
             # committed (memory-mapped ones are): else the first step compiles again on the used cache.
             allocate = lambda shape, dtype: jax.device_put(pages := allocate_pages(shape, dtype), pages.sharding)
         else:
-            allocate = functools.partial(jnp.zeros, device=sharding.pages_sharding(self.mesh, self.config.kv_layout))
-        return init_kv_cache(self.model_config.num_layers, self._num_blocks, self.config.block_size,
+            allocate = functools.partial(jnp.zeros, device=sharding.pages_sharding(self.mesh, self.resolved.kv_layout))
+        return init_kv_cache(self.model_config.num_layers, self._num_blocks, self.resolved.block_size,
                              self.model_config.num_kv_heads, self.model_config.head_dim, self._kv_dtype,
-                             layout=self.config.kv_layout, allocate=allocate)
+                             layout=self.resolved.kv_layout, allocate=allocate)
 
     def restore_kv_cache(self) -> bool:
         """After a failed call: whether the failure took the KV cache, and if so a fresh one in its place.
@@ -123,7 +124,7 @@ class ModelRunner:
 
     def host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInput, sampling.SamplingTensors]:
         """The step's host arrays for these sequences: the flat batch and page tables, the sampling tensors."""
-        step_input = build_step_input(scheduled, self.config.block_size)
+        step_input = build_step_input(scheduled, self.resolved.block_size)
         seqs = [s.seq for s in scheduled]
         tensors = sampling.make_sampling_tensors(
             [s.params for s in seqs],

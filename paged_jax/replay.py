@@ -106,6 +106,8 @@ def replay(config: EngineConfig, num_blocks: int, requests: list[Request], cost:
     pool's operations run in NumPy (host_pool.py) unless numpy_pool is False: the same decisions, in
     a fraction of the time of the engine's jitted calls.
     """
+    if config.block_size is None:
+        raise ValueError("replay models blocks of a given size: set config.block_size")
     blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, numpy_pool=numpy_pool)
     scheduler = Scheduler(config, blocks, swapper=_NoKV())
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)

@@ -32,9 +32,9 @@ API_KEY_ENV = "PAGED_JAX_API_KEY"
 
 # EngineConfig fields whose vLLM flag is not the field's name.
 _FLAG_NAMES = {"num_blocks": "num-gpu-blocks-override"}
-_CHOICES = {"dtype": DTYPES, "attention_backend": BACKENDS, "matmul_backend": MATMUL_BACKENDS, "kv_layout": LAYOUTS}
+_CHOICES = {"dtype": DTYPES, "attention_backend": BACKENDS, "matmul_backend": MATMUL_BACKENDS, "kv_layout": ("auto", *LAYOUTS)}
 _HELP = {
-    "block_size": "tokens per KV-cache block",
+    "block_size": "tokens per KV-cache block (default: 64 for the C++ CPU kernel, else 16)",
     "num_blocks": "KV-cache blocks (overrides --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "memory for the KV cache",
     "gpu_memory_utilization": "share of GPU memory for weights and KV cache",
@@ -48,7 +48,8 @@ _HELP = {
     "dtype": "parameter and KV-cache dtype",
     "attention_backend": "paged-attention implementation",
     "matmul_backend": "the model's matmuls: cpu packs the weights for the C++ kernel, xla leaves them to XLA",
-    "kv_layout": "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]",
+    "kv_layout": "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]; "
+                 "auto: head-major for the C++ CPU kernel, else token-major",
     "tensor_parallel_size": "devices to split the model's heads and MLP over (tensor parallelism)",
     "seed": "engine seed, for requests without their own",
 }

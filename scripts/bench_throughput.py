@@ -41,8 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=None, help="first N requests only")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-layout", choices=LAYOUTS, default="token_major", help="of the KV pages (kernels_pallas/layout.py)")
+    p.add_argument("--block-size", type=int, default=None, help="default: the attention backend's (paged_jax/config.py)")
+    p.add_argument("--kv-layout", choices=("auto", *LAYOUTS), default="auto", help="of the KV pages (kernels_pallas/layout.py)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
                    help="auto: the C++ kernel over packed weights for float32 on one CPU device, else XLA")
@@ -198,7 +198,8 @@ def main(argv=None) -> dict:
         "dtype": dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
+        "block_size": engine.resolved.block_size,
+        "kv_layout": engine.resolved.kv_layout,
         "tensor_parallel_size": args.tensor_parallel_size,
     }
     if args.tensor_parallel_size > 1:

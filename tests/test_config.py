@@ -27,6 +27,7 @@ def test_auto_on_a_gpu_is_bfloat16_pallas_and_a_budget_from_free_memory():
     assert default_dtype("gpu") == "bfloat16"
     resolved = resolve(EngineConfig(), TINY_LLAMA, gpu, jnp.bfloat16)
     assert (resolved.dtype, resolved.attention_backend, resolved.platform) == ("bfloat16", "pallas", "gpu")
+    assert (resolved.block_size, resolved.kv_layout) == (16, "token_major")
     # 0.9 of what the allocator may hold, less the weights already in it; block 0 is the null block.
     assert resolved.num_blocks == (int(0.9 * 20 * MiB) - 2 * MiB) // per_block(jnp.bfloat16) + 1
     half = resolve(EngineConfig(gpu_memory_utilization=0.5), TINY_LLAMA, gpu, jnp.bfloat16)
@@ -38,7 +39,19 @@ def test_auto_on_the_cpu_stays_float32_and_two_gib():
     resolved = resolve(EngineConfig(max_num_seqs=8192), TINY_LLAMA, fake_device("cpu"), jnp.float32)
     assert resolved.dtype == "float32" and resolved.platform == "cpu"
     assert resolved.attention_backend == default_backend(jnp.float32, "cpu") in ("cpu", "xla")
-    assert resolved.num_blocks == HOST_KV_CACHE_MEMORY_BYTES // per_block(jnp.float32) + 1
+    # The C++ kernel reads whole head-major blocks of 64 fastest; the XLA path is sized for 16 token-major.
+    expected = (64, "head_major") if resolved.attention_backend == "cpu" else (16, "token_major")
+    assert (resolved.block_size, resolved.kv_layout) == expected
+    assert resolved.num_blocks == HOST_KV_CACHE_MEMORY_BYTES // per_block(jnp.float32, resolved.block_size) + 1
+
+
+def test_block_size_and_layout_follow_the_attention_backend_unless_asked():
+    cpu = fake_device("cpu")
+    xla = resolve(EngineConfig(attention_backend="xla", num_blocks=8), TINY_LLAMA, cpu, jnp.float32)
+    assert (xla.block_size, xla.kv_layout) == (16, "token_major")
+    asked = resolve(EngineConfig(block_size=32, kv_layout="token_major", num_blocks=8), TINY_LLAMA, cpu, jnp.float32)
+    assert (asked.block_size, asked.kv_layout) == (32, "token_major")
+    assert asked.max_blocks_per_seq == -(-asked.max_model_len // 32)
 
 
 def test_explicit_choices_win():
@@ -76,7 +89,7 @@ def test_gpu_memory_utilization_is_a_fraction(value):
 
 def test_kv_layout_is_one_of_the_layouts():
     assert EngineConfig(kv_layout="head_major").kv_layout == "head_major"
-    with pytest.raises(ValueError, match=r"kv_layout must be one of \('token_major', 'head_major'\)"):
+    with pytest.raises(ValueError, match=r"kv_layout must be 'auto' or one of \('token_major', 'head_major'\)"):
         EngineConfig(kv_layout="head-major")
 
 
@@ -99,7 +112,8 @@ def test_tensor_parallel_budget_is_per_gpu_and_shared_on_the_host():
     assert two.num_blocks - 1 >= 2 * (one.num_blocks - 1)
     host = [resolve(EngineConfig(max_num_seqs=8192, tensor_parallel_size=n), TINY_LLAMA, fake_device("cpu"), jnp.float32)
             for n in (1, 2)]
-    assert host[0].num_blocks == host[1].num_blocks == HOST_KV_CACHE_MEMORY_BYTES // per_block(jnp.float32) + 1
+    for resolved in host:
+        assert resolved.num_blocks == HOST_KV_CACHE_MEMORY_BYTES // per_block(jnp.float32, resolved.block_size) + 1
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
 
