@@ -42,8 +42,9 @@ RUNS = {
     "kv3-tp1": ("kv3", dict(attention_backend="xla")),
     "kv3-tp3": ("kv3", dict(tensor_parallel_size=3, attention_backend="xla")),
 }
-# Few blocks, so sequences are preempted; a small token budget, so prompts are chunked.
-OPTIONS = dict(num_blocks=14, block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
+# Few blocks, so sequences are preempted; a small token budget, so prompts are chunked. Token-major
+# pages unless a run names its layout (the CPU's "auto" would take head-major).
+OPTIONS = dict(num_blocks=14, block_size=8, max_num_batched_tokens=32, max_num_seqs=4, kv_layout="token_major")
 # Prompts of 10 to 55 tokens; the last repeats the fourth's first 32 tokens (four whole blocks) and
 # arrives after it has been computed, so its prefix comes from the cache.
 PROMPTS = [[(13 * i + 7 * t) % 300 + 2 for t in range(10 + 9 * i)] for i in range(6)]
@@ -66,7 +67,7 @@ def collectives(engine: LLMEngine) -> list[list]:
 def make_engine(name: str, **extra) -> LLMEngine:
     config_name, options = RUNS[name]
     config = CONFIGS[config_name]
-    return LLMEngine(random_model(config), config, None, EngineConfig(**OPTIONS, **options | extra))
+    return LLMEngine(random_model(config), config, None, EngineConfig(**OPTIONS | options | extra))
 
 
 def run(name: str) -> dict:
