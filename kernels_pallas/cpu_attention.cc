@@ -70,7 +70,8 @@ struct WorkItem {
 // scores beyond the diagonal's own tiles.
 constexpr int kRowsPerItem = 96;  // acc, qrows and s of an item stay in L2
 constexpr int kChunk = 64;  // key positions per softmax step: a multiple of 2 * kLanes
-constexpr int kTileRows = paged_jax::kLanes == 16 ? 12 : 6;  // rows x 2 vectors: 24 of 32 AVX-512 registers, 12 of 16 AVX2
+// Rows x 2 vectors: 24 of 32 AVX-512 registers, 12 of 16 AVX2.
+constexpr int kTileRows = paged_jax::kLanes == 16 ? 12 : 6;
 
 // s[m][0:2L] = sum_d q[m][d] * kt[d][0:2L] for the kTileRows rows at q (D apart) into s (kChunk apart).
 void ScoreTile(const float* q, const float* kt, int64_t D, float* s) {
@@ -87,7 +88,8 @@ void ScoreTile(const float* q, const float* kt, int64_t D, float* s) {
       acc[m][1] += qs * k1;
     }
   }
-  for (int m = 0; m < kTileRows; ++m) paged_jax::Store(s + m * kChunk, acc[m][0]), paged_jax::Store(s + m * kChunk + L, acc[m][1]);
+  for (int m = 0; m < kTileRows; ++m)
+    paged_jax::Store(s + m * kChunk, acc[m][0]), paged_jax::Store(s + m * kChunk + L, acc[m][1]);
 }
 
 // acc[m][0:NV*L] += sum_t p[m][t] * v[t][0:NV*L] for the kTileRows rows at p (kChunk apart) and acc
@@ -211,7 +213,8 @@ void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const 
         a1[g] += qv * x1;
       }
     }
-    for (int g = 0; g < G; ++g) s[(h * G + g) * BS + t] = paged_jax::Sum(a0[g]), s[(h * G + g) * BS + t + 1] = paged_jax::Sum(a1[g]);
+    for (int g = 0; g < G; ++g)
+      s[(h * G + g) * BS + t] = paged_jax::Sum(a0[g]), s[(h * G + g) * BS + t + 1] = paged_jax::Sum(a1[g]);
   };
   auto score_one = [&](const float* kb, int64_t h, int t) {
     Vec a0[G] = {};

@@ -109,14 +109,14 @@ ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
       const float* wa = ws + after * kTilePanels * K * kPanel;
       const bool prefetch = after < items && M >= kPrefetchRows;
       const int pa = prefetch ? (int)std::min<int64_t>(kTilePanels, P - after * kTilePanels) : 0;
-      for (int64_t m = 0, t = 0; t < tiles; m += M / tiles + (t < M % tiles), ++t) {
-        const int rows = (int)(M / tiles + (t < M % tiles));
+      for (int64_t t = 0, m = 0, rows; t < tiles; ++t, m += rows) {
+        rows = M / tiles + (t < M % tiles);
         const int64_t lines = prefetch ? std::clamp<int64_t>(K - t * share, 0, share) : 0;
         if (P - p >= kTilePanels)
-          TileRows<kTilePanels>(rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, wa + t * share * kPanel, pa,
-                                lines, tiles);
+          TileRows<kTilePanels>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, wa + t * share * kPanel,
+                                pa, lines, tiles);
         else  // an odd last panel
-          TileRows<1>(rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, wa + t * share * kPanel, pa, lines,
+          TileRows<1>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, wa + t * share * kPanel, pa, lines,
                       tiles);
       }
     }

@@ -223,6 +223,7 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
             raise ValueError(f"max_model_len {wanted} exceeds {what}: {limit} tokens")
     max_model_len = min(wanted, *limits.values())
     max_blocks_per_seq = -(-max_model_len // block_size)
-    return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
+    return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
+                          max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
                           dtype=dtype, platform=platform, attention=attention,
                           matmul=choose_matmul_backend(config, platform, weights_dtype))

@@ -104,8 +104,9 @@ class LLMEngine:
         logger.info("matmul backend %s: %s", self.resolved.matmul_backend, self.resolved.matmul.reason)
         if self.resolved.matmul_backend == "cpu":
             model = models.pack_for_cpu(model)
-        self.runner = ModelRunner(model, model_config, self.config, self.resolved, mesh)
-        self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size, self.config.enable_prefix_caching)
+        self.runner = ModelRunner(model, model_config, self.resolved, mesh)
+        self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
+                                   self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}

@@ -23,7 +23,7 @@ from models import sharding
 from paged_jax import distributed, sampling
 from paged_jax.batch import StepInput, build_step_input
 from paged_jax.buckets import bucket, pad_to_bucket
-from paged_jax.config import EngineConfig, ResolvedConfig
+from paged_jax.config import ResolvedConfig
 from paged_jax.scheduler import ScheduledSeq
 
 
@@ -80,18 +80,14 @@ def _write_blocks(kv_cache: KVCache, ids: jax.Array, k: tuple, v: tuple) -> KVCa
 
 
 class ModelRunner:
-    def __init__(self, model, model_config, config: EngineConfig, resolved: ResolvedConfig, mesh: Mesh | None = None):
+    def __init__(self, model, model_config, resolved: ResolvedConfig, mesh: Mesh | None = None):
         """mesh: what the model is split over (tensor parallelism); the KV cache is split over it too."""
         graphdef, self.state = nnx.split(model)
         self.graph = ModelGraph(graphdef, self.state)
         self._weights = tuple(jax.tree.leaves(self.state))
         self.mesh = mesh
         self.model_config = model_config
-        self.config = config
         self.resolved = resolved
-        self._num_blocks = resolved.num_blocks
-        self.attention_backend = resolved.attention_backend
-        self._kv_dtype = jnp.dtype(resolved.dtype)
         self.kv_cache = self._new_kv_cache()
 
     def _new_kv_cache(self) -> KVCache:
@@ -101,8 +97,8 @@ class ModelRunner:
             allocate = lambda shape, dtype: jax.device_put(pages := allocate_pages(shape, dtype), pages.sharding)
         else:
             allocate = functools.partial(jnp.zeros, device=sharding.pages_sharding(self.mesh, self.resolved.kv_layout))
-        return init_kv_cache(self.model_config.num_layers, self._num_blocks, self.resolved.block_size,
-                             self.model_config.num_kv_heads, self.model_config.head_dim, self._kv_dtype,
+        return init_kv_cache(self.model_config.num_layers, self.resolved.num_blocks, self.resolved.block_size,
+                             self.model_config.num_kv_heads, self.model_config.head_dim, jnp.dtype(self.resolved.dtype),
                              layout=self.resolved.kv_layout, allocate=allocate)
 
     def restore_kv_cache(self) -> bool:
@@ -141,7 +137,7 @@ class ModelRunner:
         return self._step_args(*self.host_inputs(scheduled))
 
     def _step_args(self, step_input: StepInput, tensors: sampling.SamplingTensors) -> tuple[tuple, dict]:
-        keywords = dict(attn_backend=self.attention_backend, mesh=self.mesh)
+        keywords = dict(attn_backend=self.resolved.attention_backend, mesh=self.mesh)
         return (self.graph, self._weights, self.kv_cache, step_input, tensors), keywords
 
     @distributed.replicated
@@ -150,7 +146,8 @@ class ModelRunner:
         """Copy blocks (copies: int32 [n, 2] rows of src, dst), then run the step; what it sampled, on the host."""
         if len(copies):
             src, dst = copies.T
-            self.kv_cache = copy_blocks(self.kv_cache, pad_to_bucket(src, 0), pad_to_bucket(dst, self._num_blocks))
+            self.kv_cache = copy_blocks(self.kv_cache, pad_to_bucket(src, 0),
+                                        pad_to_bucket(dst, self.resolved.num_blocks))
         args, keywords = self._step_args(step_input, tensors)
         sampled, self.kv_cache = step(*args, **keywords)
         return distributed.to_host(sampled)
@@ -167,7 +164,7 @@ class ModelRunner:
         size = bucket(n)
         pad = lambda pages: np.concatenate([pages, np.zeros((size - n, *pages.shape[1:]), pages.dtype)])
         k, v = saved
-        self.write_blocks(pad_to_bucket(block_ids, self._num_blocks), tuple(map(pad, k)), tuple(map(pad, v)))
+        self.write_blocks(pad_to_bucket(block_ids, self.resolved.num_blocks), tuple(map(pad, k)), tuple(map(pad, v)))
 
     @distributed.replicated
     def read_blocks(self, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -41,8 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=None, help="first N requests only")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=None, help="default: the attention backend's (paged_jax/config.py)")
-    p.add_argument("--kv-layout", choices=("auto", *LAYOUTS), default="auto", help="of the KV pages (kernels_pallas/layout.py)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="default: the attention backend's (paged_jax/config.py)")
+    p.add_argument("--kv-layout", choices=("auto", *LAYOUTS), default="auto",
+                   help="of the KV pages (kernels_pallas/layout.py)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
                    help="auto: the C++ kernel over packed weights for float32 on one CPU device, else XLA")

@@ -133,7 +133,7 @@ def cuda_lowering() -> dict:
     mesh = sharding.make_mesh(4)
     model = shard_model(random_model(CONFIGS["kv2"]), mesh)
     resolved = resolve(config, model.config, gpu, model.embed.get_value().dtype)
-    runner = model_runner.ModelRunner(model, model.config, config, resolved, mesh)
+    runner = model_runner.ModelRunner(model, model.config, resolved, mesh)
     prompts = [SHARED, PROMPTS[5]]
     scheduled = [ScheduledSeq(Sequence(seq_id=i, request_id=str(i), token_ids=p, num_prompt_tokens=len(p), params=PARAMS,
                                        seed=i, arrival_time=0.0, block_ids=list(range(4 * i + 1, 4 * i + 5))), len(p))

@@ -50,7 +50,7 @@ def lower_step_for_cuda(batch: str, block_size: int, weights_dtype, dtype: str =
     config = EngineConfig(block_size=block_size, num_blocks=NUM_BLOCKS, dtype=dtype, kv_layout=kv_layout)
     resolved = resolve(config, TINY_LLAMA, FAKE_GPU, weights_dtype)
     assert resolved.attention_backend == "pallas"
-    runner = model_runner.ModelRunner(random_model(dtype=weights_dtype), TINY_LLAMA, config, resolved)
+    runner = model_runner.ModelRunner(random_model(dtype=weights_dtype), TINY_LLAMA, resolved)
     (graph, *arrays), keywords = runner.step_args(scheduled(batch, block_size))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
     lowered = model_runner.step.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",))
@@ -98,7 +98,7 @@ def test_a_fresh_kv_cache_compiles_the_step_no_other_program_than_a_used_one():
     nnx.update(model, jax.device_put(params, jax.local_devices()[0]))
     config = EngineConfig(block_size=8, num_blocks=NUM_BLOCKS)
     resolved = resolve(config, TINY_LLAMA, jax.local_devices()[0], jnp.float32)
-    runner = model_runner.ModelRunner(model, TINY_LLAMA, config, resolved)
+    runner = model_runner.ModelRunner(model, TINY_LLAMA, resolved)
     runner.execute(scheduled("prefill", 8), [])
     compiles = runner.num_compiles
     runner.execute(scheduled("prefill", 8), [])
