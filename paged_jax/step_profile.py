@@ -311,7 +311,7 @@ def _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak,
         parts = {p: sum(x[p] for _, x in members) for p in PARTS}
         row = dict(kind=kind, bucket=("T=" if kind == "prefill" else "S=") + str(bucket), steps=len(members),
                    seconds=round(wall, 3), ms_per_step=round(1e3 * statistics.mean(s.wall_s for s, _ in members), 2),
-                   parts_s={p: round(v, 3) for p, v in parts.items()},
+                   parts_s={p: round(v, 6) for p, v in parts.items()},
                    tokens=sum(s.tokens for s, _ in members))
         flops = sum(2 * c.num_layers * per_layer * s.tokens + 2 * c.vocab_size * c.hidden_size * s.seqs
                     + 4 * c.num_layers * c.num_heads * c.head_dim * s.attention_pairs for s, _ in members)
@@ -324,7 +324,8 @@ def _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak,
                                            / max(parts["attention"], 1e-9) / 1e9, 2)
         rows.append(row)
     model_s = sum(s.wall_s for s in steps)
-    totals = {p: round(sum(x[p] for x in per_step), 3) for p in PARTS}
+    # Microseconds: a small model's attention can take well under a millisecond in all.
+    totals = {p: round(sum(x[p] for x in per_step), 6) for p in PARTS}
     return {
         "profiled_output_tokens_per_s": round(produced / elapsed, 1),
         "wall_s": round(elapsed, 2),
@@ -333,7 +334,7 @@ def _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak,
         "model_steps_s": round(model_s, 3),
         "other_steps_s": round(sum(w for w, model in windows if not model), 3),
         "parts_s": totals,
-        "parts_sum_s": round(sum(totals.values()), 3),
+        "parts_sum_s": round(sum(totals.values()), 6),
         "matmul_peak_gflops": round(matmul_peak, 1),
         "memory_bandwidth_gbs": round(bandwidth, 2),
         "weight_bytes": weight_bytes,
@@ -350,7 +351,7 @@ def format_profile(profile: dict) -> str:
                                    for name in PARTS)
     lines = [
         f"profiled run: {p['profiled_output_tokens_per_s']} output tok/s, {p['wall_s']} s, {p['model_steps']} model steps "
-        f"({total} s; parts add up to {p['parts_sum_s']} s)",
+        f"({total} s; parts add up to {p['parts_sum_s']:.3f} s)",
         f"measured here: matmul peak {p['matmul_peak_gflops']} GFLOP/s, memory read {p['memory_bandwidth_gbs']} GB/s; "
         f"weights {p['weight_bytes'] / 1e6:.0f} MB, K/V {p['kv_bytes_per_token'] / 1e3:.1f} kB per token",
         f"all model steps: {share(p['parts_s'])}",
