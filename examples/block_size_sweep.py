@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from matplotlib.figure import Figure
 
-from paged_jax import simulate
-from paged_jax.page_table import blocks_for_tokens
+from paged_jax.research import simulate
+from paged_jax.research.page_table import blocks_for_tokens
 
 
 def random_workloads(key: jax.Array, num: int, requests: int) -> simulate.Workload:

@@ -1,5 +1,5 @@
 """Paged attention: a Pallas kernel for CUDA GPUs, a C++ kernel for the CPU called through XLA's FFI
-(cpu_kernel.py), and a pure-XLA path (xla_cpu.py) for everything else.
+(cpu/kernel.py), and a pure-XLA path (cpu/xla.py) for everything else.
 
 `paged_attention` is the one seam the model calls; "auto" chooses by platform and dtype, and
 "pallas_interpret" runs the Pallas kernel's body in the Pallas interpreter on any platform (slow: for
@@ -10,12 +10,12 @@ checking the kernel, alone or inside the engine, on a machine without a GPU).
 # package, so a later first import of kernels_pallas.paged_attention would replace the function with
 # the module and `kernels_pallas.paged_attention(...)` would stop being callable.
 from kernels_pallas import paged_attention as _pallas_kernel
-from kernels_pallas import cpu_kernel
+from kernels_pallas.cpu import kernel as cpu_kernel
 from kernels_pallas.layout import (LAYOUTS, TOKEN_MAJOR, KVCache, bytes_per_block, gather_kv, init_kv_cache, page_shape,
                                    write_kv)
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import paged_attention_reference
-from kernels_pallas.xla_cpu import paged_attention_xla
+from kernels_pallas.cpu.xla import paged_attention_xla
 
 from typing import NamedTuple
 

@@ -13,7 +13,7 @@ on output dims, row-parallel on input dims, embeddings on vocab); `nnx.get_parti
 reads them. Construction never shards (eager_sharding=False): placing is the loader's or engine's call.
 
 On the CPU, `pack_for_cpu` gives a copy whose matmul weights are packed in column panels for the C++
-matmul (kernels_pallas/cpu_linear.cc); each module's static `packed` says which form it holds.
+matmul (kernels_pallas/cpu/linear.cc); each module's static `packed` says which form it holds.
 """
 
 import dataclasses
@@ -40,7 +40,7 @@ def _linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool
     column panels (cpu_kernel.pack_columns of w as [K, N]), multiplied by the C++ kernel."""
     if not packed:
         return jnp.tensordot(x, w, axes=1)
-    with jax.named_scope("matmul"):  # the profile's name for it (paged_jax/step_profile.py)
+    with jax.named_scope("matmul"):  # the profile's name for it (paged_jax/research/step_profile.py)
         return cpu_kernel.linear_cpu(x, w, math.prod(out_shape)).reshape(x.shape[0], *out_shape)
 
 
@@ -97,7 +97,7 @@ class Attention(nnx.Module):
         k, v = qk[:, :, g], qkv[:, :, g + 1]  # [num_tokens, num_kv_heads, head_dim]
 
         def attend(q, k, v, k_pages, v_pages, metadata):
-            # Named scopes label these ops in the compiled program (paged_jax/step_profile.py reads them).
+            # Named scopes label these ops in the compiled program (paged_jax/research/step_profile.py reads them).
             with jax.named_scope("kv_write"):
                 k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, metadata.slot_mapping, k, v, kv_layout)
             with jax.named_scope("attention"):
@@ -206,7 +206,7 @@ class LlamaForCausalLM(nnx.Module):
 
 def pack_for_cpu(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """A copy of the model whose matmul weights are packed in column panels for the C++ CPU matmul
-    (kernels_pallas/cpu_linear.cc): XLA's dot repacks its weight on every call, which took most of a
+    (kernels_pallas/cpu/linear.cc): XLA's dot repacks its weight on every call, which took most of a
     decode step's matmul time. Float32, one device (the weights are not split); `model` is unchanged.
     A tied embedding is packed as the lm_head's weight, and looked up in that form."""
     model = nnx.clone(model)  # new modules and variables, over the same arrays until packed

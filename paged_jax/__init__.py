@@ -3,20 +3,20 @@
     from paged_jax import LLM, SamplingParams
     outputs = LLM(model="smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=32))
 
-The engine classes load lazily, so `import paged_jax.block_pool` stays light for researchers.
+The engine classes load lazily, so `import paged_jax.core.block_pool` stays light for researchers.
 """
 
 import importlib
 
 _EXPORTS = {
-    "LLM": "paged_jax.llm",
-    "LLMEngine": "paged_jax.engine",
-    "AsyncLLMEngine": "paged_jax.async_engine",
-    "AsyncLLM": "paged_jax.async_engine",
-    "EngineConfig": "paged_jax.config",
-    "SamplingParams": "paged_jax.sampling_params",
-    "RequestOutput": "paged_jax.outputs",
-    "CompletionOutput": "paged_jax.outputs",
+    "LLM": "paged_jax.core.llm",
+    "LLMEngine": "paged_jax.core.engine",
+    "AsyncLLMEngine": "paged_jax.serving.async_engine",
+    "AsyncLLM": "paged_jax.serving.async_engine",
+    "EngineConfig": "paged_jax.core.config",
+    "SamplingParams": "paged_jax.core.sampling_params",
+    "RequestOutput": "paged_jax.core.outputs",
+    "CompletionOutput": "paged_jax.core.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

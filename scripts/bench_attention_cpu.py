@@ -1,11 +1,11 @@
 """Attention on the CPU, one layer at engine-shaped steps: the jnp reference against the XLA path
-and, for float32, the C++ kernel (kernels_pallas/cpu_kernel.py).
+and, for float32, the C++ kernel (kernels_pallas/cpu/kernel.py).
 
     python scripts/bench_attention_cpu.py                  # SmolLM2-135M shapes, float32
     python scripts/bench_attention_cpu.py --dtype bfloat16 --rounds 2 --only decode
 
 Each scenario is a step shaped as the engine shapes one (token, sequence and block-table widths
-bucketed to powers of two as the engine does (paged_jax/buckets.py), decode rows first, pages in random order), and
+bucketed to powers of two as the engine does (paged_jax/core/buckets.py), decode rows first, pages in random order), and
 every variant runs on the same inputs, interleaved, so a noisy machine slows them alike. Prints the median time of each,
 its error against the reference, and the time to read the step's live K/V once at 20 GB/s (the
 memory-bandwidth floor). For decode scenarios the 2-page chunked scan measured earlier is a third
@@ -20,10 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import cpu_kernel, layout
+from kernels_pallas import layout
+
+from kernels_pallas.cpu import kernel as cpu_kernel
 from kernels_pallas.reference import paged_attention_reference
-from kernels_pallas.xla_cpu import paged_attention_xla
-from paged_jax.buckets import step_shape
+from kernels_pallas.cpu.xla import paged_attention_xla
+from paged_jax.core.buckets import step_shape
 
 BANDWIDTH = 20e9  # bytes/s, read + write, measured on this machine kind (see /work/shared/CPU.md)
 

@@ -1,5 +1,5 @@
 """The model's matmuls on the CPU: XLA's dot against the C++ matmul over packed weights
-(kernels_pallas/cpu_linear.cc), alternating in one process.
+(kernels_pallas/cpu/linear.cc), alternating in one process.
 
     python scripts/bench_matmul_cpu.py                  # SmolLM2-135M's 30 layers, float32
     python scripts/bench_matmul_cpu.py --rows 16 1024 --rounds 9
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import cpu_kernel
+from kernels_pallas.cpu import kernel as cpu_kernel
 
 
 def _norm(x):

@@ -21,7 +21,7 @@ match before the first difference (float32 rounding may part two systems on a ne
 --min-agreement the script fails, so a fast wrong answer cannot win.
 
 --profile then runs the workload once more under the JAX profiler and prints the step profile
-(paged_jax/step_profile.py).
+(paged_jax/research/step_profile.py).
 """
 
 import argparse
@@ -33,7 +33,7 @@ import subprocess
 import sys
 
 import bench_throughput
-from paged_jax import step_profile
+from paged_jax.research import step_profile
 
 DRIVER = pathlib.Path(__file__).with_name("peer_driver.py")
 DRIVER_MARKER = "@@peer "  # peer_driver.MARKER (not imported: the driver is for the peers' environments)

@@ -27,9 +27,9 @@ import numpy as np
 
 from paged_jax import LLMEngine, SamplingParams
 from kernels_pallas.layout import LAYOUTS
-from paged_jax import step_profile
-from paged_jax.config import DTYPES, MATMUL_BACKENDS
-from paged_jax.step_profile import matmul_peak_gflops
+from paged_jax.research import step_profile
+from paged_jax.core.config import DTYPES, MATMUL_BACKENDS
+from paged_jax.research.step_profile import matmul_peak_gflops
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
 
@@ -42,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=None,
-                   help="default: the attention backend's (paged_jax/config.py)")
+                   help="default: the attention backend's (paged_jax/core/config.py)")
     p.add_argument("--kv-layout", choices=("auto", *LAYOUTS), default="auto",
                    help="of the KV pages (kernels_pallas/layout.py)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--no-warmup", action="store_true", help="time the first run, compiles included")
     p.add_argument("--profile", action="store_true",
                    help="then run the workload again under the JAX profiler and print where the steps' time goes "
-                        "(paged_jax/step_profile.py)")
+                        "(paged_jax/research/step_profile.py)")
     p.add_argument("--json", help="write the figures to this path")
     return p.parse_args(argv)
 

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
 
-from paged_jax import simulate
-from paged_jax.config import EngineConfig
-from paged_jax.page_table import blocks_for_tokens
-from paged_jax.replay import Request, StepCost, replay
+from paged_jax.research import simulate
+from paged_jax.core.config import EngineConfig
+from paged_jax.research.page_table import blocks_for_tokens
+from paged_jax.research.replay import Request, StepCost, replay
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Steps, not seconds: the replay here counts scheduling outcomes, not time.

@@ -38,9 +38,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from make_workload import make_workload
-from paged_jax.config import EngineConfig
-from paged_jax.policy import POLICIES
-from paged_jax.replay import Replay, Request, StepCost, replay
+from paged_jax.core.config import EngineConfig
+from paged_jax.core.policy import POLICIES
+from paged_jax.research.replay import Replay, Request, StepCost, replay
 
 STEP_COST = pathlib.Path(__file__).with_name("step_cost.json")
 PATTERNS = ("poisson", "bursty")

@@ -11,9 +11,13 @@ import argparse
 import sys
 import time
 
-from paged_jax import LLMEngine, SamplingParams, distributed
-from paged_jax.config import DTYPES
-from paged_jax.llm import LLM
+from paged_jax import LLMEngine
+
+from paged_jax import SamplingParams
+
+from paged_jax.core import distributed
+from paged_jax.core.config import DTYPES
+from paged_jax.core.llm import LLM
 
 
 def parse_args(argv=None):

@@ -9,7 +9,7 @@ gguf, with the project's code on PYTHONPATH; no torch. Each part prints PASS or 
 figures; the exit status is 1 if any part fails.
 
 - kernel: the Pallas kernel compiled for the GPU (not interpreted) against the jnp reference and a
-  float64 oracle, over the kernel test matrix (kernels_pallas/testing.py).
+  float64 oracle, over the kernel test matrix (tests/kernels/kernel_matrix.py).
 - tokens: greedy tokens of the engine on the GPU with the Pallas backend against the engine on the
   host CPU (its default backend), float32, on a tiny random model and on SmolLM2. Matmuls run at
   full float32 precision on both (a GPU's default may be TF32); a first difference where the CPU's
@@ -25,6 +25,7 @@ kernel (slow; the test suite runs it on small shapes): it checks this script, no
 
 import argparse
 import dataclasses
+import pathlib
 import sys
 import time
 from collections.abc import Callable
@@ -35,10 +36,13 @@ import numpy as np
 
 import bench_throughput
 import models
-from kernels_pallas import testing as kernel_testing
 from kernels_pallas.paged_attention import paged_attention
 from models.tiny import TINY_LLAMA, random_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
+
+# The kernel's case matrix belongs to the test suite; this script runs the same matrix compiled on a GPU.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+import kernel_matrix as kernel_testing  # noqa: E402
 
 # A first differing token counts as a near-tie when the reference's logprobs of the two tokens are
 # closer than this: float32 on two devices sums in different orders.

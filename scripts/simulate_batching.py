@@ -13,8 +13,10 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from kernels_pallas.layout import bytes_per_block
-from paged_jax import block_pool, page_table, simulate
-from paged_jax.page_table import blocks_for_tokens
+from paged_jax.core import block_pool
+from paged_jax.research import page_table
+from paged_jax.research import simulate
+from paged_jax.research.page_table import blocks_for_tokens
 
 
 def static_batching_efficiency(output_lengths: list[int]) -> tuple[int, int]:

@@ -23,8 +23,8 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_carries_the_cpu_kernel_sources(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    for source in ("cpu_attention.cc", "cpu_linear.cc", "cpu_common.h"):
-        assert f"kernels_pallas/{source}" in names
+    for source in ("attention.cc", "linear.cc", "common.h"):
+        assert f"kernels_pallas/cpu/{source}" in names
 
 
 def test_non_editable_install_runs_the_cpu_kernel(wheel, tmp_path):
@@ -36,7 +36,7 @@ def test_non_editable_install_runs_the_cpu_kernel(wheel, tmp_path):
 import kernels_pallas
 from models import ModelConfig
 from paged_jax import EngineConfig
-from paged_jax.config import default_device, resolve
+from paged_jax.core.config import default_device, resolve
 config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1,
                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
                      max_position_embeddings=64)

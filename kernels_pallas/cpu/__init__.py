@@ -1,0 +1,2 @@
+"""The CPU path: C++ kernels (attention.cc, linear.cc, common.h) built with the machine's compiler and
+called through XLA's FFI (kernel.py), and a pure-XLA paged attention (xla.py) where they cannot run."""

@@ -1,0 +1,178 @@
+"""The CPU kernels, built on first use and called through XLA's FFI: paged attention
+(attention.cc) and the matmul over weights packed in column panels (linear.cc).
+
+They are compiled with the machine's C++ compiler for this CPU (-march=native) into one library in
+the cache directory, keyed by the sources, the compiler flags and the CPU, so later runs load it at
+once. Where no compiler works, `available()` is False, `build_error()` says why, and the engine stays
+on the pure-XLA paths (cpu/xla.py, XLA's dot).
+"""
+
+import concurrent.futures
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
+
+_HERE = Path(__file__).parent
+_SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc"))
+_HEADERS = (_HERE / "common.h",)
+_TARGET = "paged_jax_paged_attention_cpu_f32"
+_LINEAR = "paged_jax_linear_cpu_f32"
+PANEL = 16  # columns per panel of a packed weight (linear.cc's kPanel)
+_UNWRITTEN = "paged_jax_unwritten_buffer"
+# -ffast-math lets the compiler vectorise the reductions and exp (glibc's libmvec); the kernel keeps
+# to finite numbers and never reads an unwritten slot, so its assumptions hold. It is given to the
+# compile step only: linked with it, GCC adds crtfastmath.o, which on loading sets flush-to-zero for
+# the whole process and so changes every other library's arithmetic on subnormal numbers.
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fPIC"]
+_LINK_FLAGS = ["-shared"]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PAGED_JAX_CACHE_DIR", Path.home() / ".cache" / "paged_jax")) / "kernels"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") or line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> Path:
+    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
+    code = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
+    key = hashlib.sha256(code + flags.encode() + _cpu_name().encode()).hexdigest()[:16]
+    library = _cache_dir() / f"cpu_kernels-{key}.so"
+    if not library.exists():
+        compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+        if compiler is None:
+            raise RuntimeError("no C++ compiler found (set CXX)")
+        library.parent.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        objects = [library.with_suffix(f".{source.stem}.{os.getpid()}.o") for source in _SOURCES]
+        try:
+            # The sources compile side by side: a first start-up waits for the slowest, not the sum.
+            with concurrent.futures.ThreadPoolExecutor(len(_SOURCES)) as pool:
+                compiles = [pool.submit(subprocess.run, [compiler, *_COMPILE_FLAGS, "-w", f"-I{jax.ffi.include_dir()}",
+                                                         "-c", str(source), "-o", str(obj)],
+                                        check=True, capture_output=True, text=True)
+                            for source, obj in zip(_SOURCES, objects)]
+                for done in compiles:
+                    done.result()  # raises the first failure
+            subprocess.run([compiler, *_LINK_FLAGS, *map(str, objects), "-o", str(partial)],
+                           check=True, capture_output=True, text=True)
+        finally:
+            for obj in objects:
+                obj.unlink(missing_ok=True)
+        partial.replace(library)  # atomic, so a concurrent process never loads half a file
+    return library
+
+
+@functools.cache
+def build_error() -> str | None:
+    """Build and register the kernels once: None if that worked, else why not (the XLA paths run instead)."""
+    for path in _SOURCES + _HEADERS:
+        if not path.exists():
+            return f"its source {path.name} is not installed beside kernels_pallas/cpu/{Path(__file__).name}"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+    except subprocess.CalledProcessError as e:
+        return f"building the CPU kernels failed: {(e.stderr or '').strip()[-500:]}"
+    except (OSError, RuntimeError) as e:
+        return str(e)
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpuF32), platform="cpu")
+    jax.ffi.register_ffi_target(_LINEAR, jax.ffi.pycapsule(library.LinearCpuF32), platform="cpu")
+    jax.ffi.register_ffi_target(_UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (building it on the first call)."""
+    return build_error() is None
+
+
+def unwritten(shape: tuple[int, ...], dtype) -> jax.Array:
+    """An array on the CPU whose memory is allocated but never written: the OS maps its pages as
+    they are first written, so allocating costs nothing up front. Its contents are undefined."""
+    if not available():
+        raise RuntimeError("the CPU kernel library could not be built; allocate with jnp.zeros")
+    return jax.ffi.ffi_call(_UNWRITTEN, jax.ShapeDtypeStruct(shape, dtype))()
+
+
+def layout_attributes(pages: jax.Array, layout: str) -> dict[str, np.int64]:
+    """What the kernel is told of the pages' layout: their block size and KV heads, and the element
+    strides between a page's slots and between its KV heads."""
+    _, block_size, num_kv_heads, _ = page_dims(pages, layout)
+    slot_stride, head_stride = strides(pages, layout)
+    return dict(block_size=np.int64(block_size), num_kv_heads=np.int64(num_kv_heads),
+                slot_stride=np.int64(slot_stride), head_stride=np.int64(head_stride))
+
+
+def paged_attention_cpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    max_query_len: int,
+    scale: float | None = None,
+    layout: str = TOKEN_MAJOR,
+) -> jax.Array:
+    """Same contract as paged_attention_reference, for float32 q and pages.
+
+    The kernel streams each sequence's pages once per KV head and work item: decode rows one token
+    at a time, rows of several new tokens in query tiles whose dots run on register tiles.
+
+    q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 pages in `layout` (layout.py; the
+    kernel is told the layout's strides); block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32
+    [num_seqs]; query_start_loc: int32 [num_seqs + 1]. Returns f32 [num_tokens, num_heads, head_dim].
+    max_query_len is the seam's static bound, unused: the kernel reads each row's length at run time.
+    """
+    if not available():
+        raise RuntimeError("the CPU attention kernel could not be built; use the 'xla' path")
+    if q.dtype != np.float32 or k_pages.dtype != np.float32 or v_pages.dtype != np.float32:
+        raise ValueError(f"the CPU kernel takes float32 q and pages, got {q.dtype}, {k_pages.dtype}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    args = (q, k_pages, v_pages, block_tables.astype(np.int32), seq_lens.astype(np.int32),
+            query_start_loc.astype(np.int32))
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(*args, scale=np.float32(scale), **layout_attributes(k_pages, layout))
+
+
+def pack_columns(w: jax.Array) -> jax.Array:
+    """w: f32 [K, N] -> [ceil(N / PANEL), K, PANEL]: column panels for linear_cpu, the last one padded
+    with zero columns. Done once per weight, when the model is loaded."""
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    w = jnp.pad(w, ((0, 0), (0, panels * PANEL - n)))
+    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def unpack_columns(packed: jax.Array, n: int) -> jax.Array:
+    """The inverse of pack_columns: [panels, K, PANEL] -> [K, n]."""
+    return packed.transpose(1, 0, 2).reshape(packed.shape[1], -1)[:, :n]
+
+
+def linear_cpu(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """x @ w for x: f32 [M, K] and packed = pack_columns(w) of a f32 w [K, n]; returns f32 [M, n]."""
+    if not available():
+        raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
+    if x.dtype != np.float32 or packed.dtype != np.float32:
+        raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype} and {packed.dtype}")
+    return jax.ffi.ffi_call(_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed)

@@ -1,0 +1,135 @@
+// out = x @ w for the CPU, float32, with w packed once into column panels: an XLA FFI custom call.
+//
+// XLA's CPU dot (Eigen) repacks its weight operand into cache-sized blocks on every call. A decode
+// step multiplies a few rows by every weight of the model, so that repacking reads and writes each
+// weight again, every step: a 16-row step spent about as long in matmuls as a 64-row one. Here the
+// weight is packed once, when the model is loaded, into panels of kPanel columns, [panels][K][kPanel]
+// (kernels_pallas/cpu/kernel.py: pack_columns), which the kernel streams exactly once per call, each
+// panel through registers for every row of x.
+//
+// The micro-kernel keeps a tile of up to kRows rows by kTilePanels panels of out in vector registers
+// and walks K: per k, one broadcast of x per row and one load of w per vector, an FMA per pair
+// (AVX-512: a 12 x 32 tile in 24 of 32 registers; AVX2: 6 x 16 in 12 of 16). The rows are split
+// into tiles of equal height (16 rows: 6 + 5 + 5, not 6 + 6 + 4) because a tile of few rows costs
+// about as much per k as a full one: its few accumulators wait on the FMA latency.
+//
+// Work items are kTilePanels panels each, shared out over XLA's intra-op thread pool. For decode-sized
+// M the first row tile of an item would wait on memory and the later ones compute from cache, leaving
+// memory idle; instead each thread claims its next item before working on this one, and every row
+// tile software-prefetches its share of the next item's panels, a line every few k, so that memory
+// streams at an even rate under the FMAs (scripts/bench_matmul_cpu.py, 16 rows: 39 -> 30 ms).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using paged_jax::kLanes;
+using paged_jax::Load;
+using paged_jax::Vec;
+
+constexpr int kPanel = 16;  // columns per packed panel: the packed format, whatever the vector width
+// A tile of out in registers: AVX-512 has 32 vector registers, AVX2 16.
+constexpr int kRows = kLanes == 16 ? 12 : 6, kTilePanels = kLanes == 16 ? 2 : 1;
+constexpr int kVecsPerPanel = kPanel / kLanes;
+
+// Fewer rows than this go without the software prefetch: such a tile waits on memory alone, whose one
+// stream the hardware prefetcher keeps going, and a second stream a panel ahead only competes with it
+// (measured: 1 row slower with it, 2 rows even, 3 and more faster).
+constexpr int64_t kPrefetchRows = 3;
+
+// out[0:MR, 0:n_valid] = x[0:MR, :] @ the NP panels at w; rows of x are ldx apart, of out ldo apart.
+// Meanwhile prefetches `lines` lines of each of the prefetch_panels panels from `prefetch` on, one
+// every `every` k.
+template <int MR, int NP>
+void Tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo, int64_t n_valid,
+          const float* prefetch, int prefetch_panels, int64_t lines, int64_t every) {
+  constexpr int V = NP * kVecsPerPanel;
+  Vec acc[MR][V] = {};
+  for (int64_t k = 0, line = 0, at = lines > 0 ? 0 : K; k < K; ++k) {
+    if (k == at) {
+      for (int p = 0; p < prefetch_panels; ++p) __builtin_prefetch(prefetch + p * K * kPanel + line * kPanel);
+      at = ++line < lines ? at + every : K;
+    }
+    Vec wv[V];
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j)
+      wv[j] = Load(w + (j / kVecsPerPanel) * K * kPanel + k * kPanel + (j % kVecsPerPanel) * kLanes);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const float xs = x[m * ldx + k];
+#pragma GCC unroll 8
+      for (int j = 0; j < V; ++j) acc[m][j] += xs * wv[j];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < V; ++j) {
+      float* dst = out + m * ldo + j * kLanes;
+      if ((j + 1) * kLanes <= n_valid)
+        paged_jax::Store(dst, acc[m][j]);
+      else  // the padding columns of the last panel are never stored
+        for (int l = 0; j * kLanes + l < n_valid; ++l) dst[l] = acc[m][j][l];
+    }
+}
+
+// Tile<rows, NP> for a run-time rows in [1, kRows].
+template <int NP, int MR = 1>
+void TileRows(int rows, const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
+              int64_t n_valid, const float* prefetch, int prefetch_panels, int64_t lines, int64_t every) {
+  if constexpr (MR <= kRows) {
+    if (rows == MR) return Tile<MR, NP>(x, ldx, w, K, out, ldo, n_valid, prefetch, prefetch_panels, lines, every);
+    TileRows<NP, MR + 1>(rows, x, ldx, w, K, out, ldo, n_valid, prefetch, prefetch_panels, lines, every);
+  }
+}
+
+ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const int64_t M = xd[0], K = xd[1], P = wd[0], N = od[1];
+  if (wd[1] != K || wd[2] != kPanel || od[0] != M || (N + kPanel - 1) / kPanel != P)
+    return ffi::Error::InvalidArgument("linear: x [M, K], packed w [ceil(N / 16), K, 16] and out [M, N] disagree");
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
+  float* outs = out->typed_data();
+  if (M == 0) return ffi::Error::Success();
+  const int64_t items = (P + kTilePanels - 1) / kTilePanels;
+  const int64_t tiles = (M + kRows - 1) / kRows, share = (K + tiles - 1) / tiles;  // of the next item's lines
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t i = next.fetch_add(1), after; i < items; i = after) {
+      after = next.fetch_add(1);
+      const int64_t p = i * kTilePanels, n = p * kPanel;
+      const float* wi = ws + p * K * kPanel;  // these panels stay in cache while every row passes
+      const float* wa = ws + after * kTilePanels * K * kPanel;
+      const bool prefetch = after < items && M >= kPrefetchRows;
+      const int pa = prefetch ? (int)std::min<int64_t>(kTilePanels, P - after * kTilePanels) : 0;
+      for (int64_t t = 0, m = 0, rows; t < tiles; ++t, m += rows) {
+        rows = M / tiles + (t < M % tiles);
+        const int64_t lines = prefetch ? std::clamp<int64_t>(K - t * share, 0, share) : 0;
+        if (P - p >= kTilePanels)
+          TileRows<kTilePanels>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, wa + t * share * kPanel,
+                                pa, lines, tiles);
+        else  // an odd last panel
+          TileRows<1>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, wa + t * share * kPanel, pa, lines,
+                      tiles);
+      }
+    }
+  };
+  paged_jax::RunShared(pool, items, work);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpuF32, LinearF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

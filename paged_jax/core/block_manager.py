@@ -1,0 +1,119 @@
+"""The engine's hold on the functional block pool, with the prefix cache beside it.
+
+The pool state is the same pytree of JAX arrays a researcher jits and vmaps (block_pool.py); the engine
+keeps it on the host's CPU device, whatever accelerator the model runs on, because every scheduling
+decision is made on the host and reading it back there is a memcpy. Each method is one jitted pool call,
+with id lists padded to power-of-two lengths so the calls compile once per size class.
+
+A replay, which runs the scheduler without a model, asks for the pool's NumPy twin (host_pool.py,
+tested against the jitted pool): the same decisions without a dispatch per call.
+"""
+
+import jax
+import numpy as np
+
+from paged_jax.core import block_pool, host_pool
+from paged_jax.core.buckets import bucket, pad_to_bucket
+from paged_jax.core.prefix_cache import PrefixCache, block_hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 numpy_pool: bool = False):
+        """numpy_pool: run the pool's operations in NumPy (host_pool.py) rather than as jitted calls."""
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._ops = host_pool if numpy_pool else block_pool
+        if numpy_pool:
+            self._cpu = None
+            self.pool = host_pool.init_pool(num_blocks)
+        else:
+            self._cpu = jax.local_devices(backend="cpu")[0]  # this process's, in a group of processes
+            with jax.default_device(self._cpu):
+                self.pool = block_pool.init_pool(num_blocks)
+        self.cache = PrefixCache(num_blocks) if enable_prefix_caching else None
+        self._sync()
+
+    def _sync(self) -> None:
+        # One read-back per pool call; every query below is then host arithmetic.
+        self.refcounts = np.asarray(self.pool.refcounts)
+        self.num_free = int(self.pool.num_free)
+
+    def _padded_ids(self, ids: list[int]) -> jax.Array | np.ndarray:
+        padded = pad_to_bucket(ids, -1)
+        return padded if self._cpu is None else jax.device_put(padded, self._cpu)
+
+    def can_allocate(self, n: int, keep: list[int] = ()) -> bool:
+        """Whether n blocks can be had, evicting cached blocks (other than `keep`) if need be."""
+        if n <= self.num_free:
+            return True
+        if self.cache is None:
+            return False
+        return n <= self.num_free + self.cache.num_evictable(self.refcounts, keep)
+
+    def allocate(self, n: int) -> list[int]:
+        if n == 0:
+            return []
+        if n > self.num_free and self.cache is not None:
+            self.free(self.cache.evict(self.refcounts, n - self.num_free))
+        self.pool, ids, ok = self._ops.allocate(self.pool, n, max_n=bucket(n))
+        self._check(ok, f"allocate {n} (of {self.num_free} free)", [])
+        return [int(i) for i in np.asarray(ids)[:n]]
+
+    def free(self, ids: list[int]) -> None:
+        if ids:
+            self.pool, ok = self._ops.free(self.pool, self._padded_ids(ids))
+            self._check(ok, "free", ids)
+
+    def share(self, ids: list[int]) -> None:
+        if ids:
+            self.pool, ok = self._ops.share(self.pool, self._padded_ids(ids))
+            self._check(ok, "share", ids)
+
+    def _check(self, ok: jax.Array | bool, what: str, ids) -> None:
+        self._sync()
+        if not bool(ok):
+            # The scheduler's bookkeeping disagrees with the pool: a bug, never a user error.
+            raise RuntimeError(f"block pool refused to {what} blocks {list(ids)}")
+
+    def is_shared(self, block: int) -> bool:
+        """Whether a write to block must go to a private copy first."""
+        return self.refcounts[block] > 1
+
+    def copy_on_write(self, block: int) -> tuple[int, int]:
+        """(block, its private copy) for a shared block about to be written; the copy is one fresh
+        block, so the caller checks can_allocate(1) first."""
+        if self.num_free == 0 and self.cache is not None:
+            self.free(self.cache.evict(self.refcounts, 1))
+        self.pool, _, copies, ok = self._ops.copy_on_write(self.pool, self._padded_ids([block]))
+        self._check(ok, "copy on write", [block])
+        src, dst = (int(x) for x in np.asarray(copies)[0])
+        return src, dst
+
+    # Prefix caching.
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks of the longest prefix of token_ids, leaving at least one token to compute
+        (its logits are needed). The caller shares them once admission is certain."""
+        if self.cache is None:
+            return []
+        return self.cache.match(block_hashes(token_ids[:-1], self.block_size))
+
+    def cache_full_blocks(self, token_ids: list[int], block_ids: list[int], num_cached: int, num_computed: int) -> int:
+        """Name the blocks that became full and computed; returns the new count of named blocks."""
+        full = num_computed // self.block_size
+        if self.cache is None or full <= num_cached:
+            return num_cached
+        hashes = block_hashes(token_ids[: full * self.block_size], self.block_size)
+        newly_held = [b for h, b in zip(hashes[num_cached:], block_ids[num_cached:full]) if self.cache.insert(h, b)]
+        self.share(newly_held)
+        return full
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block: afterwards a pool with no running sequence is all free."""
+        if self.cache is not None:
+            self.free(self.cache.clear())
+
+    @property
+    def num_evictable(self) -> int:
+        return 0 if self.cache is None else self.cache.num_evictable(self.refcounts)

@@ -1,0 +1,229 @@
+"""Engine configuration: vLLM's option names where one exists, and what they resolve to at run time."""
+
+import dataclasses
+from typing import Literal, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend, cpu_kernel
+from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
+from paged_jax.core.policy import POLICIES
+
+DTYPES = ("auto", "float32", "bfloat16")
+MATMUL_BACKENDS = ("auto", "cpu", "xla")
+# The KV budget where no device reports its memory (the CPU): what a laptop can spare.
+HOST_KV_CACHE_MEMORY_BYTES = 2 << 30
+# Backends that run on one platform only; the others run anywhere.
+_BACKEND_PLATFORM = {"pallas": "gpu", "cpu": "cpu"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the user asks of the engine. Values found at run time (how many blocks fit, the model's
+    context length, what "auto" means on this device) live in `ResolvedConfig`, never written back here."""
+
+    # Tokens per KV block; None: what the attention backend reads fastest (kv_block_defaults).
+    block_size: int | None = None
+    # KV capacity: an explicit block count wins over an explicit memory budget, which wins over
+    # gpu_memory_utilization (a GPU) or HOST_KV_CACHE_MEMORY_BYTES (elsewhere).
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    # Share of the memory JAX's GPU allocator may use (its bytes_limit: 75% of the GPU unless
+    # XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise) that weights and KV cache may fill together; the
+    # rest is left to the step's activations.
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Who is admitted first and who gives way (policy.py); "priority" lets requests carry a priority.
+    scheduling_policy: Literal["fcfs", "priority", "shortest_prompt_first"] = "fcfs"
+    # Of the KV cache, and of the weights `LLMEngine.from_pretrained` loads. "auto": bfloat16 on a GPU,
+    # float32 (the fast dtype there) on the CPU; for a model handed to the engine, its weights' dtype.
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    # The model's matmuls: "cpu" packs the weights once for the C++ kernel (kernels_pallas/cpu/linear.cc),
+    # "xla" leaves them to XLA's dot; "auto" takes "cpu" for float32 weights on one CPU device.
+    matmul_backend: str = "auto"
+    # How each layer's K/V pages are laid out (kernels_pallas/layout.py): token-major
+    # [num_blocks, block_size, kv_heads, head_dim] or head-major [num_blocks, kv_heads, block_size, head_dim];
+    # "auto": what the attention backend reads fastest (kv_block_defaults).
+    kv_layout: str = "auto"
+    # Devices the model's heads and MLP are split over (models/sharding.py); on a GPU the KV budget is per device.
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        def positive(name):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+        for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
+                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
+            positive(name)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.matmul_backend not in MATMUL_BACKENDS:
+            raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
+        if self.kv_layout not in ("auto", *LAYOUTS):
+            raise ValueError(f"kv_layout must be 'auto' or one of {LAYOUTS}, got {self.kv_layout!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResolvedConfig:
+    """What the engine settled on once it knew the model, the device and its memory."""
+
+    num_blocks: int
+    block_size: int
+    kv_layout: str  # one of kernels_pallas.LAYOUTS
+    max_model_len: int
+    max_blocks_per_seq: int
+    dtype: str  # of the KV cache: "float32" or "bfloat16"
+    platform: str  # the JAX platform the engine runs on: "gpu", "cpu", ...
+    attention: BackendChoice  # the attention backend that runs (never "auto"), and why
+    matmul: BackendChoice  # "cpu" or "xla" (never "auto"), and why
+
+    @property
+    def attention_backend(self) -> str:
+        return self.attention.backend
+
+    @property
+    def matmul_backend(self) -> str:
+        return self.matmul.backend
+
+
+class Device(Protocol):
+    """The part of a jax.Device that resolution reads (tests pass a fake)."""
+
+    platform: str
+
+    def memory_stats(self) -> dict[str, int] | None: ...
+
+
+def default_device() -> jax.Device:
+    """The device new arrays and jitted calls go to: `jax.default_device`'s if set, else this
+    process's first."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):
+        return jax.local_devices(backend=device)[0]
+    return device or jax.local_devices()[0]
+
+
+def default_dtype(platform: str) -> str:
+    """What dtype="auto" loads weights in: bfloat16 on a GPU, float32 elsewhere."""
+    return "bfloat16" if platform == "gpu" else "float32"
+
+
+def kv_cache_budget(config: EngineConfig, device: Device) -> int:
+    """Bytes the KV cache may take. On a GPU, read once the weights are on it: the allocator's limit
+    times gpu_memory_utilization, less what is in use (as vLLM sizes its cache after loading)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    stats = device.memory_stats() if device.platform == "gpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return HOST_KV_CACHE_MEMORY_BYTES
+    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+    budget = int(config.gpu_memory_utilization * limit) - in_use
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {in_use / 2**30:.2f} GiB in use of "
+            f"{config.gpu_memory_utilization} x {limit / 2**30:.2f} GiB; raise gpu_memory_utilization "
+            f"or set kv_cache_memory_bytes")
+    return budget
+
+
+def choose_matmul_backend(config: EngineConfig, platform: str, weights_dtype) -> BackendChoice:
+    """What runs the model's matmuls, and why; asking for "cpu" where it cannot run is an error."""
+    reasons = [why for why, fails in (
+        (f"the engine runs on {platform}", platform != "cpu"),
+        (f"the weights are {jnp.dtype(weights_dtype).name}, not float32", jnp.dtype(weights_dtype) != jnp.float32),
+        ("the weights are split over devices", config.tensor_parallel_size > 1),
+    ) if fails]
+    # The kernel is built only where it could run (never on a GPU machine).
+    if not reasons and not cpu_kernel.available():
+        reasons.append(f"the CPU kernel is unavailable: {cpu_kernel.build_error()}")
+    if config.matmul_backend == "xla":
+        return BackendChoice("xla", "asked for", False)
+    if not reasons:
+        return BackendChoice("cpu", "asked for" if config.matmul_backend == "cpu" else
+                             "the C++ kernel over packed float32 weights on the CPU", False)
+    if config.matmul_backend == "cpu":
+        raise ValueError(f"matmul_backend 'cpu' cannot run here: {'; '.join(reasons)}")
+    return BackendChoice("xla", reasons[0], False)
+
+
+def kv_block_defaults(config: EngineConfig, attention_backend: str) -> tuple[int, str]:
+    """(block_size, kv_layout): the ones asked for, else what the attention backend reads fastest.
+
+    The C++ CPU kernel reads a sequence's blocks whole, each at the rate the hardware prefetcher
+    streams within a page: head-major blocks of 64 slots (a KV head's rows contiguous) read K/V about
+    1.5x faster than token-major blocks of 16 (scripts/bench_attention_cpu.py; vLLM's CPU build takes
+    blocks of 128 for the same reason). Elsewhere, 16-slot token-major blocks: the Pallas kernel's
+    tiles and the XLA path's page chunks are sized for them.
+    """
+    fast_cpu = attention_backend == "cpu"
+    block_size = config.block_size or (64 if fast_cpu else 16)
+    kv_layout = config.kv_layout if config.kv_layout != "auto" else (HEAD_MAJOR if fast_cpu else TOKEN_MAJOR)
+    return block_size, kv_layout
+
+
+def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -> ResolvedConfig:
+    """Settle the run-time values: context length from the model, dtype from the weights, attention
+    backend from the platform, block count from the memory budget.
+
+    model_config: a models.ModelConfig, as the engine runs it (KV heads' copies counted, as
+        models.sharding lays them out); device: one of the devices the engine runs on;
+    weights_dtype: the model's parameter dtype.
+    """
+    dtype = jnp.dtype(weights_dtype).name if config.dtype == "auto" else config.dtype
+    platform = device.platform
+    attention = choose_backend(config.attention_backend, dtype, platform)
+    backend = attention.backend
+    if _BACKEND_PLATFORM.get(backend, platform) != platform:
+        raise ValueError(f"attention_backend {backend!r} runs on {_BACKEND_PLATFORM[backend]} only, and this "
+                         f"engine runs on {platform}; use 'auto' (or 'pallas_interpret' to run the Pallas "
+                         "kernel's body off a GPU, slowly)")
+    block_size, kv_layout = kv_block_defaults(config, backend)
+    # The context length is the model's, cut to what one sequence can always be given, so that no
+    # request waits forever for room: the whole KV cache and, without chunked prefill, one step's
+    # tokens (a preempted sequence is computed again in one step). An explicit max_model_len beyond
+    # any of these is an error.
+    wanted = config.max_model_len or model_config.max_model_len
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        # The budget is per device where each has memory of its own (a GPU holds its share of the KV
+        # heads); devices on the host (the CPU) share its memory, so their budget is shared too.
+        kv_heads = model_config.num_kv_heads
+        if platform == "gpu":
+            kv_heads //= config.tensor_parallel_size
+        per_block = bytes_per_block(model_config.num_layers, block_size, kv_heads, model_config.head_dim, dtype)
+        # One more than the budget buys: block 0 is the pool's null block, never handed out.
+        num_blocks = min(kv_cache_budget(config, device) // per_block,
+                         4 * -(-wanted // block_size) * config.max_num_seqs) + 1
+    if num_blocks - 1 < 1:
+        raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
+    pool = f"what the KV cache holds ({num_blocks - 1} blocks of {block_size})"
+    limits = {"the model's context length": model_config.max_model_len, pool: (num_blocks - 1) * block_size}
+    if not config.enable_chunked_prefill:
+        limits["max_num_batched_tokens, as chunked prefill is off"] = config.max_num_batched_tokens
+    for what, limit in limits.items():
+        if wanted > limit and config.max_model_len is not None:
+            raise ValueError(f"max_model_len {wanted} exceeds {what}: {limit} tokens")
+    max_model_len = min(wanted, *limits.values())
+    max_blocks_per_seq = -(-max_model_len // block_size)
+    return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
+                          max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
+                          dtype=dtype, platform=platform, attention=attention,
+                          matmul=choose_matmul_backend(config, platform, weights_dtype))

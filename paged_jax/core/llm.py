@@ -1,0 +1,97 @@
+"""LLM: the offline API. Give it prompts, get one RequestOutput per prompt back, in order."""
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from paged_jax.core.engine import LLMEngine
+from paged_jax.core.outputs import RequestOutput
+from paged_jax.core.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM(model="smollm2-135m", **engine_options).generate(prompts, sampling_params)`.
+
+    engine_options are EngineConfig's fields (block_size, max_num_seqs, enable_prefix_caching, ...).
+    """
+
+    def __init__(self, model: str = "smollm2-135m", **engine_options):
+        self.engine = LLMEngine.from_pretrained(model, **engine_options)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """prompts: a text, a list of token ids, or a list of either. sampling_params: one for all, or
+        one per prompt. priority: one per prompt, for scheduling_policy "priority" (lower runs first).
+        Every request is checked before any runs: one bad prompt fails the call and leaves the engine
+        as it was."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, params, rank in zip(prompts, sampling_params, priority):
+                ids.append(self.engine.add_request(prompt, params, priority=rank))
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_prompt(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict]) -> list[int]:
+        """The token ids of a conversation under the tokenizer's chat template, ready for a reply."""
+        return chat_prompt(self.tokenizer, conversation)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="requests", disable=not use_tqdm or len(request_ids) < 2) as bar:
+            while len(done) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        done[output.request_id] = output
+                        bar.update(1)
+        return [done[i] for i in request_ids]
+
+
+def chat_prompt(tokenizer, conversation: list[dict], *, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    """The token ids of a conversation under the tokenizer's chat template (the template writes the
+    special tokens, so none are added by default)."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

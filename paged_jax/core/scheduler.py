@@ -1,0 +1,252 @@
+"""Iteration-level scheduling: one decision per engine step, made on the host.
+
+Each step the scheduler
+1. forks a request with n > 1 into its samples once their shared prompt is computed;
+2. gives every running sequence its next tokens (a decode token, or the next chunk of a prompt) and
+   the blocks they land in, a private copy included where a fork still shares the block, preempting
+   the last in the policy's order (under FCFS the most recently admitted) when the pool runs short;
+3. admits waiting sequences in the policy's order (FCFS by default, policy.py) while free blocks,
+   max_num_seqs and the token budget allow (the queue's head waits rather than being overtaken, so
+   under FCFS nothing starves).
+
+Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
+generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
+back into fresh blocks.
+
+The engine's context length fits the whole pool (config.resolve), so a sequence alone always fits, and
+every waiting sequence has a token to compute; the one step that could then schedule nothing while
+some sequence waits is when all that runs are beams awaiting their siblings' proposals, and there
+the newest of them makes way. So every request finishes, whatever the pool.
+"""
+
+import collections
+import dataclasses
+from typing import Protocol
+
+from paged_jax.core.block_manager import BlockManager
+from paged_jax.core.config import EngineConfig
+from paged_jax.core.policy import sort_key
+from paged_jax.core.sequence import Sequence, Status
+
+
+class KVSwapper(Protocol):
+    def swap_out(self, block_ids: list[int]) -> object: ...
+
+    def swap_in(self, saved: object, block_ids: list[int]) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last known token, so its next one is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    # KV block copies (source, destination) to make before the step: copy-on-write of shared blocks.
+    copies: list[tuple[int, int]]
+    preempted: list[Sequence]
+    # Samples created this step by forking a request with n > 1.
+    forked: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: KVSwapper | None = None):
+        self.config = config
+        self.blocks = block_manager
+        self.swapper = swapper
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._key = sort_key(config.scheduling_policy)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.blocks.block_size)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(scheduled=[], copies=[], preempted=[], forked=self._fork_ready())
+        if self._key is not None:
+            # Stable sorts: ties keep the order of events (forks behind their parent, preempted first).
+            self.waiting = collections.deque(sorted(self.waiting, key=self._key))
+            self.running.sort(key=self._key)
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            if not self._reserve(seq, num_new, out):
+                break  # seq itself was preempted
+            self._schedule(seq, num_new, out)
+            budget -= num_new
+            i += 1
+
+        # Nobody is admitted on a step that preempted: the pool is short, and admitting would only
+        # preempt again.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = self._admit(seq, budget)
+            if num_new == 0:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._schedule(seq, num_new, out)
+            budget -= num_new
+
+        if not out.scheduled and self.waiting and self.running:
+            # All that runs are beams holding their blocks until their siblings' proposals are in,
+            # and the queue's head (perhaps such a sibling) may need that room: the newest makes way.
+            # It goes to the back, as it has nothing to compute before its siblings catch up.
+            victim = self.running[-1]
+            self._preempt(victim, to_back=True)
+            out.preempted.append(victim)
+        return out
+
+    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        out.scheduled.append(ScheduledSeq(seq, num_new))
+        # Blocks this step fills are named now, not after the step: a request admitted later in this
+        # same step can then share them, since every layer writes the step's K/V before attending.
+        seq.num_cached_blocks = self.blocks.cache_full_blocks(
+            seq.token_ids, seq.block_ids, seq.num_cached_blocks, seq.num_computed_tokens + num_new)
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute for seq this step, 0 if it cannot run now."""
+        remaining = seq.num_computable_tokens - seq.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _reserve(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Give seq the blocks its num_new more tokens land in: those it lacks, and a private copy of
+        the partly filled block they start in if a fork still shares it. Preempts the last running
+        sequences in the policy's order (possibly seq itself) until the pool can; False when seq was
+        preempted."""
+        missing = self._blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
+        # Counted again after each preemption: the victim may have been what shared the block.
+        while not self.blocks.can_allocate(missing + (self._shared_tail(seq) is not None)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        index = self._shared_tail(seq)
+        if index is not None:
+            src, dst = self.blocks.copy_on_write(seq.block_ids[index])
+            out.copies.append((src, dst))
+            seq.block_ids[index] = dst
+        seq.block_ids.extend(self.blocks.allocate(missing))
+        return True
+
+    def _shared_tail(self, seq: Sequence) -> int | None:
+        """Index in seq.block_ids of the partly filled block its next token lands in, if it is shared."""
+        if seq.num_computed_tokens % self.blocks.block_size == 0:
+            return None  # the next token opens a fresh block
+        index = seq.num_computed_tokens // self.blocks.block_size
+        return index if self.blocks.is_shared(seq.block_ids[index]) else None
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
+        if seq.swapped_kv is not None:
+            return self._swap_in(seq, budget)
+        cached = self.blocks.match_prefix(seq.token_ids[: seq.num_computable_tokens])
+        num_computed = len(cached) * self.blocks.block_size
+        seq.num_computed_tokens = num_computed
+        num_new = self._num_new_tokens(seq, budget)
+        need = self._blocks_for(num_computed + num_new) - len(cached)
+        if num_new == 0 or not self.blocks.can_allocate(need, keep=cached):
+            seq.num_computed_tokens = 0
+            return 0
+        self.blocks.share(cached)
+        seq.block_ids = cached + self.blocks.allocate(need)
+        seq.num_cached_blocks = len(cached)
+        seq.num_prefix_hit_tokens = max(seq.num_prefix_hit_tokens, num_computed)
+        return num_new
+
+    def _swap_in(self, seq: Sequence, budget: int) -> int:
+        num_blocks = self._blocks_for(seq.num_computed_tokens)
+        num_new = self._num_new_tokens(seq, budget)
+        need = self._blocks_for(seq.num_computed_tokens + num_new)
+        if num_new == 0 or not self.blocks.can_allocate(need):
+            return 0
+        seq.block_ids = self.blocks.allocate(need)
+        self.swapper.swap_in(seq.swapped_kv, seq.block_ids[:num_blocks])
+        seq.swapped_kv = None
+        return num_new
+
+    def recompute_all(self) -> None:
+        """Every block's content is lost: running sequences go back to the queue, in order, to be
+        computed again from their first token."""
+        for seq in reversed(self.running):
+            seq.num_computed_tokens = 0
+            self._preempt(seq)
+
+    def _preempt(self, seq: Sequence, *, to_back: bool = False) -> None:
+        self.running.remove(seq)
+        # Admission needs a token to run: a beam awaiting its siblings, with every token computed,
+        # keeps all but its last.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        if self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0:
+            seq.swapped_kv = self.swapper.swap_out(seq.block_ids[: self._blocks_for(seq.num_computed_tokens)])
+        else:
+            seq.num_computed_tokens = 0
+        self.blocks.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_cached_blocks = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if to_back:
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def _fork_ready(self) -> list[Sequence]:
+        """Split each parent whose shared prompt is computed into its n samples, sharing its blocks.
+        A one-token prompt shares nothing, so its parent forks while it waits."""
+        forked = []
+        for parent in [s for s in (*self.running, *self.waiting)
+                       if s.forks > 1 and s.num_computed_tokens == s.num_computable_tokens]:
+            for k in range(parent.forks - 1, 0, -1):
+                forked.append(self.fork(parent, seq_id=parent.seq_id + k, index=parent.index + k))
+            parent.forks = 1
+        return forked[::-1]
+
+    def fork(self, parent: Sequence, *, seq_id: int, index: int) -> Sequence:
+        """A copy of parent that shares its KV blocks (copy-on-write) and queues right behind it."""
+        child = dataclasses.replace(parent, seq_id=seq_id, index=index, forks=1, token_ids=list(parent.token_ids),
+                                    block_ids=list(parent.block_ids), logprobs=[], beam_candidates=None)
+        self.blocks.share(parent.block_ids)
+        queue = self.running if parent.status is Status.RUNNING else self.waiting
+        queue.insert(list(queue).index(parent) + 1, child)
+        return child
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire seq at once and free its blocks (prefix-cached ones stay cached)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_ids)
+        seq.block_ids = []
+        seq.swapped_kv = None
+        seq.status = Status.FINISHED

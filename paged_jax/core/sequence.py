@@ -1,0 +1,70 @@
+"""Host-side state of one sequence as the scheduler moves it through the engine."""
+
+import dataclasses
+import enum
+
+from paged_jax.core.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sample of one request. token_ids holds the prompt followed by what was generated."""
+
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    arrival_time: float
+    index: int = 0  # which of the request's n samples
+    # Under the "priority" policy a lower value runs first (vLLM's); 0 under the others.
+    priority: int = 0
+    status: Status = Status.WAITING
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Full blocks already named in the prefix cache, so each is inserted once.
+    num_cached_blocks: int = 0
+    # Prompt tokens whose KV came from the prefix cache at admission.
+    num_prefix_hit_tokens: int = 0
+    # A request with n > 1 computes its prompt but the last token once, then forks into n samples.
+    forks: int = 1
+    # KV of a sequence preempted by swapping: host copies of its blocks, [layers][k|v] arrays.
+    swapped_kv: object = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    # Beam search: this beam's proposals (token, logprob) for its next token, awaiting selection.
+    beam_candidates: list[tuple[int, float]] | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_computable_tokens(self) -> int:
+        """Tokens computed before the sequence samples: all of them, but for a parent of n samples
+        all but the last, which each sample computes for itself once the parent forks."""
+        return self.num_tokens - 1 if self.forks > 1 else self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,135 @@
+"""Prometheus metrics of a serving engine: vLLM's names under the prefix `paged_jax:`, so a vLLM
+dashboard needs only the prefix changed; metrics vLLM lacks (rejections, timeouts, compiles, step time,
+KV blocks by state, the attention backend) take names in the same style.
+
+Everything carries a `model_name` label, as vLLM's do. Recording happens on the engine loop's thread
+(`record`, a StatLogger) and on the server's (`reject`); prometheus_client's collectors are thread-safe.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from paged_jax.serving.async_engine import StatLogger
+from paged_jax.serving.stats import IterationStats, SchedulerStats
+
+PREFIX = "paged_jax:"
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
+REJECT_CAUSES = ("queue_full", "too_long", "bad_params", "unauthorized", "not_found", "body_too_large")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0)
+
+
+def _1_2_5_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class PrometheusMetrics(StatLogger):
+    def __init__(self, registry: CollectorRegistry, model_name: str, *, max_model_len: int,
+                 cache_config: dict[str, str], attention_backend: str):
+        """cache_config: labels for the info metric (block size, block count, ...)."""
+        # A "_created" twin of every counter and histogram is clutter nobody reads (vLLM drops them too).
+        disable_created_metrics()
+        labels = {"model_name": model_name}
+        self._previous: SchedulerStats | None = None
+
+        def make(kind, name, doc, labelnames=(), **kwargs):
+            metric = kind(PREFIX + name, doc, ["model_name", *labelnames], registry=registry, **kwargs)
+            return metric if labelnames else metric.labels(**labels)
+
+        def by_label(metric_kind, name, doc, label, values, **kwargs):
+            metric = make(metric_kind, name, doc, (label,), **kwargs)
+            return {v: metric.labels(**labels, **{label: v}) for v in values}
+
+        # The engine's state.
+        self.running = make(Gauge, "num_requests_running", "Requests the scheduler runs (admitted, not finished).")
+        self.waiting = make(Gauge, "num_requests_waiting", "Requests accepted and waiting for admission.")
+        self.kv_usage = make(Gauge, "kv_cache_usage_perc",
+                             "Fraction of KV-cache blocks held by requests (0 to 1); prefix-cached blocks no "
+                             "request holds count as free.")
+        self.kv_blocks = by_label(Gauge, "num_kv_cache_blocks",
+                                  "KV-cache blocks by state: used by requests, cached (held by the prefix cache "
+                                  "alone, reusable), free.", "state", ("used", "cached", "free"))
+        self.preemptions = make(Counter, "num_preemptions", "Preemptions of running sequences.")
+        self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = make(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.compiles = make(Counter, "num_compiles", "XLA programs compiled for engine steps and block copies.")
+        # The engine keeps these as running totals; the counters take the increments.
+        self._engine_counters = ((self.preemptions, "num_preemptions"), (self.prefix_queries, "prefix_cache_queries"),
+                                 (self.prefix_hits, "prefix_cache_hits"), (self.compiles, "num_compiles"))
+        self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of requests that produced a first token.")
+        self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
+        self.step_time = make(Histogram, "engine_step_time_seconds", "Wall time of one engine step.",
+                              buckets=_LATENCY_BUCKETS)
+        self.iteration_tokens = make(Histogram, "iteration_tokens_total", "Tokens run through the model per step.",
+                                     buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+        make(Gauge, "cache_config_info", "The KV cache's configuration (value 1).",
+             tuple(cache_config)).labels(**labels, **cache_config).set(1)
+        make(Gauge, "attention_backend_info", "The attention implementation the engine runs (value 1).",
+             ("backend",)).labels(**labels, backend=attention_backend).set(1)
+
+        # Requests.
+        self.finished = by_label(Counter, "request_success", "Finished requests by finish reason.",
+                                 "finished_reason", FINISH_REASONS)
+        self.rejected = by_label(Counter, "request_rejected", "Requests refused before they reached the engine.",
+                                 "cause", REJECT_CAUSES)
+        self.timeouts = make(Counter, "request_timeouts", "Requests ended by their timeout.")
+        self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS)
+        self.itl = make(Histogram, "inter_token_latency_seconds", "Time between consecutive outputs of a request.",
+                        buckets=_LATENCY_BUCKETS)
+        self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to end of a request.",
+                        buckets=_REQUEST_BUCKETS)
+        self.queue_time = make(Histogram, "request_queue_time_seconds", "Time a request waited for admission.",
+                               buckets=_REQUEST_BUCKETS)
+        length_buckets = _1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = make(Histogram, "request_prompt_tokens", "Prompt length of finished requests.",
+                                          buckets=length_buckets)
+        self.request_generation_tokens = make(Histogram, "request_generation_tokens",
+                                              "Generated tokens of finished requests (all samples).",
+                                              buckets=length_buckets)
+        self.request_max_tokens = make(Histogram, "request_params_max_tokens", "The max_tokens requests asked for.",
+                                       buckets=length_buckets)
+        self.request_n = make(Histogram, "request_params_n", "The n requests asked for.", buckets=[1, 2, 5, 10, 20])
+
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+        self.running.set(scheduler.num_running)
+        self.waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(scheduler.kv_cache_usage)
+        self.kv_blocks["used"].set(scheduler.num_used_blocks)
+        self.kv_blocks["cached"].set(scheduler.num_cached_blocks)
+        self.kv_blocks["free"].set(scheduler.num_free_blocks)
+        for counter, field in self._engine_counters:
+            counter.inc(getattr(scheduler, field) - (getattr(self._previous, field) if self._previous else 0))
+        self._previous = scheduler
+
+        if iteration.step_time is not None:
+            self.step_time.observe(iteration.step_time)
+            self.iteration_tokens.observe(iteration.num_batched_tokens)
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for value in iteration.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.observe(value)
+        for value in iteration.queue_times:
+            self.queue_time.observe(value)
+        for request in iteration.finished:
+            self.finished[request.finish_reason].inc()
+            if request.finish_reason == "timeout":
+                self.timeouts.inc()
+            self.e2e.observe(request.e2e_latency)
+            self.request_prompt_tokens.observe(request.num_prompt_tokens)
+            self.request_generation_tokens.observe(request.num_generation_tokens)
+            self.request_max_tokens.observe(request.max_tokens)
+            self.request_n.observe(request.n)
+
+    def reject(self, cause: str) -> None:
+        self.rejected[cause].inc()

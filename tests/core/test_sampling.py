@@ -1,0 +1,348 @@
+"""SamplingParams checks, and the sampler: its distribution, masks, penalties, seeds and shapes."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from paged_jax.core.sampling import apply_penalties, make_sampling_tensors, sample
+from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
+
+EOS = 0
+
+
+def build(params, *, seeds=None, prompts=None, outputs=None, pad_rows_to=None):
+    """Tensors for rows with empty histories and seeds 0, 1, ... unless given."""
+    n = len(params)
+    return make_sampling_tensors(
+        params,
+        list(range(n)) if seeds is None else seeds,
+        [[]] * n if prompts is None else prompts,
+        [[]] * n if outputs is None else outputs,
+        [EOS],
+        pad_rows_to=n if pad_rows_to is None else pad_rows_to,
+    )
+
+
+def log_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+# --- SamplingParams -------------------------------------------------------------------------------
+
+BAD_PARAMS = [
+    dict(temperature=-0.5),
+    dict(top_p=0.0),
+    dict(top_p=1.5),
+    dict(top_k=-2),
+    dict(min_p=-0.1),
+    dict(min_p=1.1),
+    dict(n=0),
+    dict(max_tokens=0),
+    dict(min_tokens=-1),
+    dict(min_tokens=17),  # above the default max_tokens of 16
+    dict(repetition_penalty=0.0),
+    dict(repetition_penalty=float("nan")),
+    dict(temperature=float("inf")),
+    dict(temperature=1e300),
+    dict(length_penalty=float("nan"), use_beam_search=True, n=2, temperature=0.0),
+    dict(presence_penalty=2.5),
+    dict(presence_penalty=-2.5),
+    dict(frequency_penalty=-2.1),
+    dict(logprobs=-1),
+    dict(logprobs=MAX_LOGPROBS + 1),
+    dict(stop=("end", "")),
+    dict(stop_token_ids=(5, -1)),
+    dict(length_penalty=0.5),
+    dict(n=2, temperature=0.0),
+    dict(n=1, use_beam_search=True, temperature=0.0),
+    dict(temperature=1.0, use_beam_search=True, n=4),
+    dict(top_p=0.9, use_beam_search=True, n=4, temperature=0.0),
+    dict(top_k=5, use_beam_search=True, n=4, temperature=0.0),
+    dict(min_p=0.1, use_beam_search=True, n=4, temperature=0.0),
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD_PARAMS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_bad_parameter_is_named_with_its_value(kwargs):
+    # The first key of each case is the parameter at fault; the others set up the context.
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    message = str(info.value)
+    assert message.startswith(f"{name} ") and message.endswith(f"got {value!r}"), message
+
+
+def test_params_are_normalised_and_frozen():
+    p = SamplingParams(stop="###", stop_token_ids=[7, 9], top_k=0)
+    assert (p.stop, p.stop_token_ids, p.top_k) == (("###",), (7, 9), -1)
+    assert SamplingParams().stop == () and SamplingParams().stop_token_ids == ()
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = 0.5
+
+
+def test_greedy_below_eps_and_valid_beam_search():
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+    beam = SamplingParams(use_beam_search=True, n=4, temperature=0.0, length_penalty=0.8)
+    assert beam.greedy and beam.length_penalty == 0.8
+
+
+# --- greedy and the distribution ------------------------------------------------------------------
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 100)).astype(np.float32)
+    params = [SamplingParams(temperature=t) for t in (0.0, 1e-6, 2.0)] * 2
+    tokens = np.asarray(sample(logits, build(params)).tokens)
+    greedy_rows = [0, 1, 3, 4]
+    np.testing.assert_array_equal(tokens[greedy_rows], logits[greedy_rows].argmax(-1))
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=1), dict(min_p=1.0), dict(top_p=1e-6)])
+def test_masks_that_leave_one_token_equal_greedy(kwargs):
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(64, 50)).astype(np.float32)
+    params = [SamplingParams(temperature=1.5, **kwargs)] * 64
+    np.testing.assert_array_equal(sample(logits, build(params)).tokens, logits.argmax(-1))
+
+
+def expected_distribution(logits, temperature, top_k, top_p, min_p):
+    """logits: float64 [V] -> float64 [V]; plain numpy, one rule at a time in the documented order."""
+    probs = np.exp(log_softmax(logits / temperature))
+    order = np.argsort(-probs)
+    allowed = order[: top_k if top_k > 0 else len(order)]
+    head = probs[allowed] / probs[allowed].sum()
+    mass, kept = 0.0, []
+    for token, p in zip(allowed, head):
+        kept.append(token)
+        mass += p
+        if mass >= top_p:
+            break
+    kept = [t for t in kept if probs[t] >= min_p * probs.max()]
+    out = np.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+# A permuted, distinct-valued vocabulary, so sorting and un-sorting mistakes show.
+SMALL_VOCAB_LOGITS = np.log([0.04, 0.2, 0.1, 0.3, 0.02, 0.12, 0.07, 0.15]).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [
+        (0.7, -1, 1.0, 0.0),
+        (1.0, 3, 1.0, 0.0),
+        (1.0, -1, 0.6, 0.0),
+        (1.0, -1, 1.0, 0.3),
+        (0.5, 5, 0.8, 0.1),
+        (1.5, 6, 0.9, 0.2),
+        # top_p then min_p keeps two tokens; min_p first would renormalise and let top_p keep one.
+        (1.0, -1, 0.45, 0.45),
+    ],
+)
+def test_sampled_frequencies_match_the_renormalised_distribution(temperature, top_k, top_p, min_p):
+    num = 16384  # one draw per row, each row its own seed
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * num
+    tokens = np.asarray(sample(np.tile(SMALL_VOCAB_LOGITS, (num, 1)), build(params)).tokens)
+    freq = np.bincount(tokens, minlength=len(SMALL_VOCAB_LOGITS)) / num
+    expected = expected_distribution(SMALL_VOCAB_LOGITS.astype(np.float64), temperature, top_k, top_p, min_p)
+    assert np.all(freq[expected == 0] == 0), (freq, expected)
+    # Five standard errors per token: a wrong rule (or a silent greedy) is off by far more.
+    tolerance = 5 * np.sqrt(expected * (1 - expected) / num)
+    assert np.all(np.abs(freq - expected) <= tolerance), (freq, expected)
+    assert (expected > 0).sum() > 1, "the case must leave a choice, or it tests nothing"
+
+
+def test_masked_tokens_are_never_sampled_in_a_mixed_batch():
+    rng = np.random.default_rng(2)
+    vocab, num = 256, 512
+    logits = rng.normal(scale=3.0, size=(num, vocab)).astype(np.float32)
+    settings = [(1.0, 5, 1.0, 0.0), (2.0, -1, 0.5, 0.0), (1.0, -1, 1.0, 0.2), (3.0, 20, 0.9, 0.05)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in settings]
+    params = params * (num // len(params))
+    tokens = np.asarray(sample(logits, build(params)).tokens)
+    for row, (token, p) in enumerate(zip(tokens, params)):
+        allowed = expected_distribution(np.float64(logits[row]), p.temperature, p.top_k, p.top_p, p.min_p)
+        assert allowed[token] > 0, (row, p)
+
+
+# --- penalties and min_tokens ---------------------------------------------------------------------
+
+
+def test_penalties_follow_vllm_formulas():
+    rng = np.random.default_rng(3)
+    vocab = 40
+    logits = rng.normal(size=(4, vocab)).astype(np.float32)
+    logits[:, 5] = 0.0  # zero is neither divided nor multiplied into anything else
+    params = [
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(presence_penalty=-1.0, frequency_penalty=2.0),
+        SamplingParams(),
+    ]
+    prompts = [[3, 5, 5, 11], [3, 30], [12], [1, 2]]
+    outputs = [[5, 7, 7, 7, 2], [8, 8], [12, 13, 13], [2, 2]]
+    got = np.asarray(apply_penalties(logits, build(params, prompts=prompts, outputs=outputs)))
+
+    want = logits.copy()
+    for row, (p, prompt, output) in enumerate(zip(params, prompts, outputs)):
+        for token in set(prompt) | set(output):
+            x = want[row, token]
+            want[row, token] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for token in output:
+            want[row, token] -= p.frequency_penalty
+        for token in set(output):
+            want[row, token] -= p.presence_penalty
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got[:3], logits[:3]), "the cases must move some logits"
+
+
+def test_penalties_change_the_greedy_choice():
+    logits = np.array([[0.0, 3.0, 2.9, 1.0]], np.float32)
+    params = [SamplingParams(temperature=0.0, frequency_penalty=0.1)]
+    assert sample(logits, build(params, outputs=[[]])).tokens[0] == 1
+    assert sample(logits, build(params, outputs=[[1, 1]])).tokens[0] == 2
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    vocab = 16
+    # Token preference: EOS, then stop ids 4, 5, 6, 8, 9 (more than the narrowest bucket), then 7.
+    logits = np.full((1, vocab), -5.0, np.float32)
+    logits[0, [EOS, 4, 5, 6, 8, 9, 7]] = [9, 8, 7.9, 7.8, 7.7, 7.6, 7]
+    stop_ids = [4, 5, 6, 8, 9]
+
+    def greedy_token(generated, **kwargs):
+        p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=stop_ids, **kwargs)
+        return int(sample(logits, build([p], outputs=[[7] * generated])).tokens[0])
+
+    assert greedy_token(0) == 7 and greedy_token(2) == 7
+    assert greedy_token(3) == EOS
+    # ignore_eos keeps EOS out of the stop set, so min_tokens has no reason to ban it.
+    assert greedy_token(1, ignore_eos=True) == EOS
+
+    num = 512
+    sampled = [SamplingParams(temperature=5.0, min_tokens=2, stop_token_ids=stop_ids)] * num
+    tokens = np.asarray(sample(np.tile(logits, (num, 1)), build(sampled, outputs=[[7]] * num)).tokens)
+    assert not np.isin(tokens, [EOS, *stop_ids]).any()
+    assert len(set(tokens.tolist())) > 3
+
+
+# --- seeds ------------------------------------------------------------------------------------------
+
+
+def test_a_row_draws_with_fold_in_of_its_seed_and_step():
+    logits = np.random.default_rng(4).normal(size=(1, 1000)).astype(np.float32)
+    for seed, step in [(7, 0), (7, 3), (123456, 9)]:
+        t = build([SamplingParams()], seeds=[seed], outputs=[[1] * step])
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+        assert sample(logits, t).tokens[0] == jax.random.categorical(key, logits[0])
+
+
+def test_seeded_rows_ignore_the_rest_of_the_batch():
+    rng = np.random.default_rng(5)
+    vocab = 1000
+    seeded = [SamplingParams(seed=s, top_p=0.95 if s % 2 else 1.0) for s in range(11, 19)]
+    seeded_logits = rng.normal(size=(8, vocab)).astype(np.float32)
+    seeded_outputs = [[3] * i for i in range(8)]
+    alone = np.asarray(
+        sample(seeded_logits, build(seeded, seeds=[p.seed for p in seeded], outputs=seeded_outputs)).tokens
+    )
+    assert (alone != seeded_logits.argmax(-1)).any(), "the rows must be sampled, not greedy"
+
+    # The same rows shuffled among others that switch on every optional path, in a larger bucket.
+    others = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=3, repetition_penalty=1.2),
+        SamplingParams(min_p=0.1, frequency_penalty=1.0, logprobs=3),
+        SamplingParams(temperature=0.3, presence_penalty=0.5),
+    ]
+    rows = [("seeded", i) for i in range(8)] + [("other", i) for i in range(4)]
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    params = [seeded[i] if kind == "seeded" else others[i] for kind, i in rows]
+    logits = np.zeros((16, vocab), np.float32)  # padding rows' logits stay zero
+    for position, (kind, i) in enumerate(rows):
+        logits[position] = seeded_logits[i] if kind == "seeded" else rng.normal(size=vocab)
+    outputs = [seeded_outputs[i] if kind == "seeded" else [1, 2, 3] for kind, i in rows]
+    seeds = [seeded[i].seed if kind == "seeded" else 1000 + i for kind, i in rows]
+    t = build(params, seeds=seeds, prompts=[[4, 5]] * len(rows), outputs=outputs, pad_rows_to=16)
+    assert t.do_penalties and t.do_top_k_top_p and t.num_top_logprobs == MAX_LOGPROBS
+    mixed = np.asarray(sample(logits, t).tokens)
+    for position, (kind, i) in enumerate(rows):
+        if kind == "seeded":
+            assert mixed[position] == alone[i], (position, i)
+
+
+def test_steps_of_one_seed_draw_different_tokens():
+    uniform = np.zeros((64, 1000), np.float32)
+    params = [SamplingParams(seed=42)] * 64
+    tokens = sample(uniform, build(params, seeds=[42] * 64, outputs=[[1] * i for i in range(64)])).tokens
+    assert len(set(np.asarray(tokens).tolist())) > 50
+
+
+def test_seeds_keep_all_64_bits():
+    t = build([SamplingParams()] * 3, seeds=[2**40 + 5, -1, 9], pad_rows_to=4)
+    # PRNGKey's threefry words (high, low) of a 64-bit seed; the padding row gets zeros.
+    np.testing.assert_array_equal(t.key_data, [[256, 5], [2**32 - 1, 2**32 - 1], [0, 9], [0, 0]])
+
+
+def test_mismatched_rows_are_refused():
+    with pytest.raises(ValueError, match="3 params, 2 seeds"):
+        make_sampling_tensors([SamplingParams()] * 3, [1, 2], [[]] * 3, [[]] * 3, [EOS], pad_rows_to=4)
+    with pytest.raises(ValueError, match=r"pad_rows_to \(2\)"):
+        build([SamplingParams()] * 3, pad_rows_to=2)
+    with pytest.raises(ValueError, match="logits have 3 rows, the sampling tensors 4"):
+        sample(np.zeros((3, 10), np.float32), build([SamplingParams()] * 3, pad_rows_to=4))
+
+
+# --- logprobs and compilation -----------------------------------------------------------------------
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    rng = np.random.default_rng(6)
+    logits = rng.normal(size=(4, 64)).astype(np.float32)
+    params = [
+        SamplingParams(logprobs=5, temperature=0.5),
+        SamplingParams(logprobs=0, temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(logprobs=None, top_k=10),
+        SamplingParams(logprobs=MAX_LOGPROBS, frequency_penalty=1.0),
+    ]
+    out = sample(logits, build(params, prompts=[[1, 2]] * 4, outputs=[[3, 3]] * 4))
+    raw = log_softmax(logits.astype(np.float64))
+    chosen = np.take_along_axis(raw, np.asarray(out.tokens)[:, None], -1)[:, 0]
+    np.testing.assert_allclose(out.logprobs, chosen, atol=1e-5)
+    assert out.top_logprobs.shape == out.top_ids.shape == (4, MAX_LOGPROBS)
+    np.testing.assert_allclose(out.top_logprobs, -np.sort(-raw, axis=-1)[:, :MAX_LOGPROBS], atol=1e-5)
+    top_ids_logprobs = np.take_along_axis(raw, np.asarray(out.top_ids), -1)
+    np.testing.assert_allclose(out.top_logprobs, top_ids_logprobs, atol=1e-5)
+
+
+def test_top_logprobs_only_when_asked_and_capped_at_the_vocabulary():
+    logits = np.zeros((2, 8), np.float32)
+    assert sample(logits, build([SamplingParams(logprobs=0), SamplingParams()])).top_ids.shape == (2, 0)
+    assert sample(logits, build([SamplingParams(logprobs=2), SamplingParams()])).top_ids.shape == (2, 8)
+
+
+def test_batches_of_one_bucket_share_one_compilation():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(16, 100)).astype(np.float32)
+
+    def run(temperatures, history_lengths, pad_rows_to=8):
+        params = [SamplingParams(temperature=t, top_p=0.9, presence_penalty=0.5) for t in temperatures]
+        outputs = [[1] * n for n in history_lengths]
+        seeds = rng.integers(0, 2**31, len(params)).tolist()
+        t = build(params, seeds=seeds, outputs=outputs, pad_rows_to=pad_rows_to)
+        sample(logits[:pad_rows_to], t)
+        return sample._cache_size()
+
+    before = run([0.5, 1.0, 0.8], [0, 5, 9])
+    # Other rows, values, seeds and history lengths within the same buckets: no new program.
+    assert run([1.2, 0.7, 0.9, 1.1, 0.4, 2.0], [30, 1, 2, 3, 4, 5]) == before
+    assert run([0.9], [17]) == before
+    # A larger row bucket does compile, so the counter is really counting.
+    assert run([0.9], [17], pad_rows_to=16) == before + 1

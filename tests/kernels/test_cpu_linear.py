@@ -1,0 +1,54 @@
+"""The C++ CPU matmul over packed weights (kernels_pallas/cpu/linear.cc through cpu/kernel.py) against
+NumPy's float64 matmul, across the shapes that meet its tile edges: rows around the micro-kernel's
+6 or 12, columns around the 16-column panel, and the model's own sizes."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.cpu import kernel as cpu_kernel
+
+ROWS = (1, 5, 6, 7, 12, 13, 64, 131)
+SHAPES = [(k, n) for k, n in itertools.product((1, 17, 64), (1, 15, 16, 17, 48, 100))] + [(576, 960), (1536, 576)]
+
+
+def _random(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_matches_float64_matmul(rows):
+    linear = jax.jit(cpu_kernel.linear_cpu, static_argnames="n")
+    for i, (k, n) in enumerate(SHAPES):
+        x, w = _random((rows, k), i), _random((k, n), 100 + i)
+        got = np.asarray(linear(jnp.asarray(x), cpu_kernel.pack_columns(jnp.asarray(w)), n=n))
+        want = x.astype(np.float64) @ w
+        assert got.shape == (rows, n)
+        # float32 sums of k products: relative to the size of a row's terms, not of the result.
+        scale = np.abs(x).astype(np.float64) @ np.abs(w)
+        assert np.all(np.abs(got - want) <= 1e-6 * k * scale + 1e-30), (rows, k, n)
+
+
+def test_packing_round_trips_and_pads_with_zeros():
+    w = _random((7, 37), 0)
+    packed = cpu_kernel.pack_columns(jnp.asarray(w))
+    assert packed.shape == (3, 7, cpu_kernel.PANEL)
+    np.testing.assert_array_equal(cpu_kernel.unpack_columns(packed, 37), w)
+    assert not np.asarray(packed[-1, :, 37 - 2 * cpu_kernel.PANEL:]).any()
+
+
+def test_refuses_other_dtypes():
+    x = jnp.ones((2, 4), jnp.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernel.linear_cpu(x, cpu_kernel.pack_columns(jnp.ones((4, 8), jnp.bfloat16)), 8)
+
+
+def test_shapes_that_disagree_are_an_error_not_a_crash():
+    packed = cpu_kernel.pack_columns(jnp.ones((4, 40), jnp.float32))
+    with pytest.raises(Exception, match="disagree"):
+        jax.block_until_ready(cpu_kernel.linear_cpu(jnp.ones((2, 5), jnp.float32), packed, 40))
+    with pytest.raises(Exception, match="disagree"):
+        jax.block_until_ready(cpu_kernel.linear_cpu(jnp.ones((2, 4), jnp.float32), packed, 60))

@@ -1,0 +1,95 @@
+"""The command line: engine flags under vLLM's names, and `python -m paged_jax.serve` on a tiny model
+shutting down on SIGTERM (a request that fits in the grace period finishes, one that does not is cut,
+new connections are refused, the process exits 0)."""
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from paged_jax.serving.cli import parse_args
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_flags_take_vllm_names():
+    args = parse_args(["--max-num-seqs", "8", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "100",
+                       "--max-model-len", "256", "--dtype", "bfloat16", "--preemption-mode", "swap",
+                       "--served-model-name", "m", "--api-key", "k", "--max-num-queued-reqs", "5",
+                       "--request-timeout", "30", "--max-tokens-cap", "64"])
+    e, s = args.engine_config, args.server_config
+    assert (e.max_num_seqs, e.enable_prefix_caching, e.num_blocks, e.max_model_len, e.dtype, e.preemption_mode) == (
+        8, False, 100, 256, "bfloat16", "swap")
+    assert (s.served_model_name, s.api_key, s.max_num_queued_reqs, s.request_timeout, s.max_tokens_cap) == (
+        "m", "k", 5, 30.0, 64)
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+
+
+@pytest.mark.parametrize("argv", [["--block-size", "0"], ["--dtype", "float16"], ["--max-num-queued-reqs", "-1"]])
+def test_bad_flags_exit_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2 and argv[0].strip("-").split("-")[-1] in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "paged_jax.serve", "--model", str(tiny_chat_folder), "--port", str(port),
+         "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--shutdown-timeout", "1",
+         "--disable-uvicorn-access-log", "--log-level", "warning"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+
+        bodies, first_chunk = {}, {k: threading.Event() for k in ("short", "long")}
+
+        def stream(name: str, max_tokens: int):
+            body = dict(prompt=[5, 6, 7], max_tokens=max_tokens, ignore_eos=True, temperature=0, stream=True)
+            text = ""
+            try:
+                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                    for piece in r.iter_text():
+                        text += piece
+                        first_chunk[name].set()
+            except httpx.TransportError:
+                pass  # cut at the end of the grace period
+            bodies[name] = text
+
+        threads = [threading.Thread(target=stream, args=args) for args in (("short", 20), ("long", 500))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(120) for e in first_chunk.values())
+        server.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{base}/health", timeout=5)
+        for t in threads:
+            t.join(60)
+        assert server.wait(60) == 0, server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert bodies["short"].endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in bodies["short"]
+    assert "[DONE]" not in bodies["long"], bodies["long"].count("data:")
