@@ -355,16 +355,13 @@ class OpenAIServing:
             check_priority(self.engine.engine.config.scheduling_policy, request.priority)
         except ValueError as e:
             raise bad_request(str(e), "priority") from e
-        objective = None
-        if self.guard is not None:
-            objective = self.guard.objective_for(request)
-            self.guard.admit(objective, len(prompts))
+        admission = None if self.guard is None else self.guard.admit(request, len(prompts))
         streams = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 stream = await self.engine.add_request(prompt.token_ids, p, f"{response_id}-{i}", timeout=timeout,
                                                        priority=request.priority)
-                streams.append(stream if self.guard is None else self.guard.watch(stream, objective))
+                streams.append(stream if admission is None else admission.watch(stream))
         except BaseException as e:
             for stream in streams:
                 stream.close()

@@ -265,14 +265,15 @@ class _ApiKey:
 
     OPEN = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
                       "/redoc"})
-    # The dashboard checks the key itself: a browser's EventSource cannot send the header.
-    SELF_CHECKED = DASHBOARD_PATHS
+    # The dashboard checks the key itself, taking it from a query parameter or cookie too: a browser's
+    # EventSource cannot send the header.
+    PASSED = OPEN | DASHBOARD_PATHS
 
     def __init__(self, app, key: str, on_reject):
         self.app, self.key, self.on_reject = app, key.encode(), on_reject
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.OPEN | self.SELF_CHECKED:
+        if scope["type"] != "http" or scope["path"] in self.PASSED:
             return await self.app(scope, receive, send)
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):

@@ -8,14 +8,14 @@ their time to first token refused before they queue.
   `vllm bench serve --goodput` reports, in `paged_jax:slo_goodput_total`; misses in
   `paged_jax:slo_violations_total{objective}`. TTFT runs from the request's admission here.
 - Admission: a new request's predicted wait in the queue is (its place in the line) / (service rate),
-  the service rate being requests finished per second while the engine was full (every sequence slot
-  taken, or requests waiting: then finishes are what lets the line move), decayed over about half a
-  minute. Slots kept full count even when admission keeps the queue empty, so that a rate measured
-  low (in the steps that compiled, say) is measured again. When that wait exceeds the
-  request's TTFT objective it gets 429 with `Retry-After` = predicted wait - objective, rounded up: by
-  then, at that rate, the line ahead of it is short enough. Before the first such measurement,
-  everything is admitted. The place in the line counts requests beyond max_num_seqs; where the pool,
-  not max_num_seqs, holds the queue back, the prediction is short by those.
+  the service rate being requests served (finished with stop or length) per second while the engine
+  was full (every sequence slot taken, or requests waiting: then finishes are what lets the line
+  move), decayed over about half a minute. Slots kept full count even when admission keeps the queue
+  empty, so that a rate measured low (in steps that compiled, say) is measured again. When that wait
+  exceeds the request's TTFT objective it gets 429 with `Retry-After` = predicted wait - objective,
+  rounded up: by then, at that rate, the line ahead of it is short enough. Before the first such
+  measurement, everything is admitted. The place in the line counts requests beyond max_num_seqs;
+  where the pool, not max_num_seqs, holds the queue back, the prediction is short by those.
 - A queue timeout (`--max-queue-time`, enforced by the engine loop) ends the request with 503.
 """
 
@@ -92,59 +92,71 @@ class SloGuard(StatLogger):
                              "(one that missed both counts under each).", ["model_name", "objective"],
                              registry=registry)
         self._violations = {name: violations.labels(**labels, objective=name) for name in ("ttft", "tpot")}
-        Gauge(PREFIX + "slo_service_rate", "Requests finished per second while the engine was full: what admission "
+        Gauge(PREFIX + "slo_service_rate", "Requests served per second while the engine was full: what admission "
               "by SLO predicts queue waits from (0 before it is measured).", ["model_name"],
               registry=registry).labels(**labels).set_function(lambda: self.rate.per_second or 0.0)
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         full = scheduler.num_waiting > 0 or scheduler.num_running >= self.engine.engine.config.max_num_seqs
-        self.rate.observe(time.monotonic(), len(iteration.finished), full)
+        served = sum(r.finish_reason in ("stop", "length") for r in iteration.finished)
+        self.rate.observe(time.monotonic(), served, full)
 
     def objective_for(self, request: SamplingRequest) -> Objective:
         """The server's objectives, tightened by the request's own; a looser one is a 400."""
         return Objective(_within(request.slo_ttft_ms, self.objective.ttft_ms, "slo_ttft_ms", "--slo-ttft-ms"),
                          _within(request.slo_tpot_ms, self.objective.tpot_ms, "slo_tpot_ms", "--slo-tpot-ms"))
 
-    def admit(self, objective: Objective, count: int = 1) -> None:
-        """Refuse (429) `count` new engine requests when the last of them would wait in the queue longer
-        than its TTFT objective."""
+    def admit(self, request: SamplingRequest, count: int = 1) -> "Admission":
+        """Let in the `count` engine requests of an API request, or refuse them (429) when the last would
+        wait in the queue longer than their TTFT objective; a looser objective than the server's is a 400."""
+        objective = self.objective_for(request)
         rate = self.rate.per_second
+        admission = Admission(self, objective, time.monotonic())
         if objective.ttft_ms is None or not rate:
-            return
+            return admission
         place = self.engine.queue_position(count)
         wait = place / rate
         if 1000 * wait <= objective.ttft_ms:
-            return
+            return admission
         raise APIError(429, f"the predicted wait in the queue, {wait:.2f} s ({place} requests to finish at "
                        f"{rate:.2f} a second), exceeds this request's time-to-first-token objective of "
                        f"{objective.ttft_ms:g} ms; retry later", type="rate_limit_error",
                        code="slo_unattainable", cause="slo_admission",
                        headers={"Retry-After": str(max(1, math.ceil(wait - objective.ttft_ms / 1000)))})
 
-    def watch(self, stream: RequestStream, objective: Objective) -> "GuardedStream":
-        return GuardedStream(stream, self, objective, time.monotonic())
-
-    def score(self, out: RequestOutput, objective: Objective, admitted: float) -> None:
+    def score(self, out: RequestOutput, admission: "Admission") -> None:
         """Count a finished request as goodput or as the objectives it missed."""
         if any(c.finish_reason not in ("stop", "length") for c in out.outputs):
             return
         m = out.metrics
-        ttft = m.first_token_time - admitted
+        ttft = m.first_token_time - admission.time
         tpot = (m.finish_time - m.first_token_time) / (m.num_output_tokens - 1) if m.num_output_tokens > 1 else None
-        missed = objective.missed(ttft, tpot)
+        missed = admission.objective.missed(ttft, tpot)
         for name in missed:
             self._violations[name].inc()
         if not missed:
             self._goodput.inc()
 
 
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """An API request let in: its objectives, and when (its TTFT runs from then)."""
+
+    guard: SloGuard
+    objective: Objective
+    time: float  # time.monotonic()
+
+    def watch(self, stream: RequestStream) -> "GuardedStream":
+        return GuardedStream(stream, self)
+
+
 class GuardedStream:
     """A RequestStream (iterate it, close it) that is scored when it finishes, and whose end by the
     queue timeout raises a 503."""
 
-    def __init__(self, stream: RequestStream, guard: SloGuard, objective: Objective, admitted: float):
+    def __init__(self, stream: RequestStream, admission: Admission):
         self.request_id = stream.request_id
-        self._stream, self._guard, self._objective, self._admitted = stream, guard, objective, admitted
+        self._stream, self._admission = stream, admission
 
     def __aiter__(self) -> "GuardedStream":
         return self
@@ -157,7 +169,7 @@ class GuardedStream:
                 raise APIError(503, f"the request waited {waited:.1f} s for the engine to admit it, longer than "
                                f"this server's --max-queue-time; retry later", type="server_error",
                                code="queue_timeout")
-            self._guard.score(out, self._objective, self._admitted)
+            self._admission.guard.score(out, self._admission)
         return out
 
     def close(self) -> None:
