@@ -214,10 +214,15 @@ def main(argv=None) -> dict:
     if args.profile:
         figures["profile"] = step_profile.profile_run(engine, requests, params, matmul_peak=peak)
         print(step_profile.format_profile(figures["profile"]))
-    if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(figures, indent=2))
+    write_json(args.json, figures)
     return figures
+
+
+def write_json(path: str | None, figures: dict) -> None:
+    """The figures as JSON at path (its folder made), when one is given."""
+    if path:
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(path).write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -26,6 +27,9 @@ from paged_jax.serving.openai_protocol import (AssistantMessage, ChatCompletionC
 from paged_jax.core.outputs import CompletionOutput, RequestOutput
 from paged_jax.core.policy import check_priority
 from paged_jax.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # slo.py builds on this module's errors
+    from paged_jax.serving.slo import SloGuard
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +116,11 @@ class _Prompt:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, *, max_tokens_cap: int | None = None,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, guard: "SloGuard | None" = None):
         """max_tokens_cap: the most tokens one request may ask for. request_timeout: seconds a request
-        may take at most (each request may ask for less)."""
+        may take at most (each request may ask for less). guard: latency objectives (slo.py)."""
         self.engine = engine
+        self.guard = guard
         self.model_name = model_name
         self.max_tokens_cap = max_tokens_cap
         self.request_timeout = request_timeout
@@ -350,11 +355,13 @@ class OpenAIServing:
             check_priority(self.engine.engine.config.scheduling_policy, request.priority)
         except ValueError as e:
             raise bad_request(str(e), "priority") from e
+        admission = None if self.guard is None else self.guard.admit(request, len(prompts))
         streams = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                streams.append(await self.engine.add_request(prompt.token_ids, p, f"{response_id}-{i}",
-                                                             timeout=timeout, priority=request.priority))
+                stream = await self.engine.add_request(prompt.token_ids, p, f"{response_id}-{i}", timeout=timeout,
+                                                       priority=request.priority)
+                streams.append(stream if admission is None else admission.watch(stream))
         except BaseException as e:
             for stream in streams:
                 stream.close()
@@ -434,6 +441,8 @@ async def _ending(events: AsyncIterator[str]) -> AsyncIterator[str]:
                 yield event
     except EngineStepError as e:
         yield sse(_engine_error(e).response())
+    except APIError as e:  # after the status line: a queue timeout (slo.py), say
+        yield sse(e.response())
     except Exception as e:
         log.exception("a streamed response failed")
         yield sse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").response())
