@@ -24,6 +24,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def copy(self) -> "CompletionOutput":
+        """A copy whose lists are its own."""
+        return dataclasses.replace(self, token_ids=list(self.token_ids),
+                                   logprobs=None if self.logprobs is None else list(self.logprobs))
+
     def add(self, delta: "CompletionOutput") -> None:
         """Append what a later DELTA output of this sample holds."""
         self.text += delta.text
@@ -74,7 +79,6 @@ class RequestOutput:
             if c.index in samples:
                 samples[c.index].add(c)
             else:
-                self.outputs.append(dataclasses.replace(c, token_ids=list(c.token_ids),
-                                                        logprobs=None if c.logprobs is None else list(c.logprobs)))
+                self.outputs.append(c.copy())
         self.outputs.sort(key=lambda c: c.index)
         self.finished, self.metrics, self.error = delta.finished, delta.metrics, delta.error
