@@ -124,7 +124,8 @@ class LLMEngine:
 
         priority: under scheduling_policy "priority", lower runs first; any other policy refuses a
         priority other than 0 (as vLLM does), rather than silently ignoring it. arrival_time: when the
-        request arrived (time.monotonic()), if before now: a front end's queue counts in its metrics."""
+        request reached a front end (time.monotonic()), so that its metrics count the time it spent
+        there; now when None."""
         params = params or SamplingParams()
         limits = self.limits
         validation.check_request(prompt, params, priority, limits, has_tokenizer=self.tokenizer is not None)
