@@ -76,8 +76,8 @@ def _mesh(config: EngineConfig) -> Mesh | None:
 
 class LLMEngine:
     def __init__(self, model, model_config, tokenizer, config: EngineConfig | None = None):
-        """model: a models.LlamaForCausalLM on the default device (where the engine runs), or already
-        split over the engine's mesh (models.load_model(..., mesh=...)); tokenizer: a transformers tokenizer.
+        """model: of an architecture in models.registry, on the default device (where the engine runs), or
+        already split over the engine's mesh (models.load_model(..., mesh=...)); tokenizer: a transformers tokenizer.
 
         With tensor_parallel_size N > 1 the engine runs on the first N devices, the model split over
         them (models/sharding.py); model_config is then the split model's (KV heads' copies counted).
@@ -103,7 +103,7 @@ class LLMEngine:
                    attention.backend, attention.reason)
         logger.info("matmul backend %s: %s", self.resolved.matmul_backend, self.resolved.matmul.reason)
         if self.resolved.matmul_backend == "cpu":
-            model = models.pack_for_cpu(model)
+            model = model.pack_for_cpu()
         self.runner = ModelRunner(model, model_config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
