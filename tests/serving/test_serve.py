@@ -44,12 +44,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Every engine step of the server lasts at least STEP_S (a slow step injected, as tests/conftest.py
+# injects faults): how long a request takes then has a floor whatever the machine's speed. The long
+# request needs LONG_TOKENS * STEP_S = 50 s, far beyond the grace period; the short one about
+# SHORT_TOKENS * STEP_S, far within it.
+STEP_S = 0.1
+SHORT_TOKENS, LONG_TOKENS, GRACE_S = 3, 500, 2
+SLOW_SERVE = f"""
+import runpy, time
+from paged_jax.core.engine import LLMEngine
+step = LLMEngine.step
+LLMEngine.step = lambda self: (time.sleep({STEP_S}), step(self))[1]
+runpy.run_module("paged_jax.serve", run_name="__main__", alter_sys=True)  # python -m paged_jax.serve
+"""
+
+
 def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "paged_jax.serve", "--model", str(tiny_chat_folder), "--port", str(port),
-         "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--shutdown-timeout", "1",
+        [sys.executable, "-c", SLOW_SERVE, "--model", str(tiny_chat_folder), "--port", str(port),
+         "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--shutdown-timeout", str(GRACE_S),
          "--disable-uvicorn-access-log", "--log-level", "warning"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -76,7 +91,8 @@ def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
                 pass  # cut at the end of the grace period
             bodies[name] = text
 
-        threads = [threading.Thread(target=stream, args=args) for args in (("short", 20), ("long", 500))]
+        threads = [threading.Thread(target=stream, args=args)
+                   for args in (("short", SHORT_TOKENS), ("long", LONG_TOKENS))]
         for t in threads:
             t.start()
         assert all(e.wait(120) for e in first_chunk.values())
@@ -93,3 +109,4 @@ def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
             server.wait()
     assert bodies["short"].endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in bodies["short"]
     assert "[DONE]" not in bodies["long"], bodies["long"].count("data:")
+    assert 0 < bodies["long"].count('"text"') < LONG_TOKENS
