@@ -87,6 +87,18 @@ def test_named_blocks_carry_the_caches_reference_and_outlive_their_sequence(mana
     assert_all_free(manager)
 
 
+def test_a_prefix_computed_twice_is_named_once(manager):
+    """Two sequences that computed the same blocks side by side: the cache keeps the first's, and
+    takes no reference on the second's, which go back to the pool with their sequence."""
+    tokens = list(range(10, 18))
+    first, second = fill(manager, tokens), fill(manager, tokens)
+    assert refs(manager) == {**{b: 2 for b in first}, **{b: 1 for b in second}}
+    manager.free(second)
+    assert refs(manager) == {b: 2 for b in first}
+    manager.free(first)
+    assert_all_free(manager)
+
+
 def test_only_computed_full_blocks_are_named(manager):
     tokens = list(range(10, 22))
     blocks = manager.allocate(3)

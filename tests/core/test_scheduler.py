@@ -170,12 +170,14 @@ def test_a_short_pool_preempts_the_latest_admitted_and_every_sequence_finishes(m
 
 def test_a_preempted_sequence_waits_at_the_head_and_resumes_where_it_may():
     h = harness(num_blocks=7, max_tokens=8, preemption_mode="swap", enable_prefix_caching=False)
-    for i in range(3):
+    for i in range(4):  # three fill the pool; the fourth waits
         h.add(6, first=10 * i)
     while not (out := h.step()).preempted:
         pass
     victim = out.preempted[0]
-    assert h.scheduler.waiting[0] is victim and victim.block_ids == [] and victim.swapped_kv is not None
+    # Ahead of the one that never ran: under FCFS, the earlier arrival goes first.
+    assert list(h.scheduler.waiting)[:2] == [victim, h.scheduler.waiting[-1]] and h.scheduler.waiting[-1].seq_id == 3
+    assert victim.block_ids == [] and victim.swapped_kv is not None
     computed = victim.num_computed_tokens
     assert computed > 0  # swapped: its computed tokens are kept
     while victim.status is not Status.RUNNING:
@@ -214,6 +216,21 @@ def test_a_cached_prefix_is_shared_at_admission():
     assert scheduled.num_new_tokens == 1 and second.num_prefix_hit_tokens == 8
     assert second.block_ids[:2] == first_blocks[:2]
     h.run()
+    assert_all_free(h)
+
+
+def test_admission_does_not_count_on_evicting_the_prefix_it_shares():
+    """The cached prefix a request is about to share is not room for its other blocks: it waits."""
+    h = harness(num_blocks=7, max_tokens=4)  # 6 usable blocks of 4
+    prefix = list(range(100, 108))
+    h.add(0, tokens=prefix)
+    h.run()  # leaves its two full blocks cached, held by the cache alone
+    other = h.add(12, first=50)  # takes 3 of the 4 free blocks
+    sharing = h.add(0, tokens=prefix + list(range(8)))  # needs its 2 cached blocks and 2 more
+    out = h.step()
+    assert [s.seq for s in out.scheduled] == [other] and h.scheduler.waiting[0] is sharing
+    h.run()
+    assert sharing.num_prefix_hit_tokens == 8
     assert_all_free(h)
 
 
