@@ -5,6 +5,7 @@ from typing import Literal, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import cdiv
 
 from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend, cpu_kernel
 from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
@@ -211,7 +212,7 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
         per_block = bytes_per_block(model_config.num_layers, block_size, kv_heads, model_config.head_dim, dtype)
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
         num_blocks = min(kv_cache_budget(config, device) // per_block,
-                         4 * -(-wanted // block_size) * config.max_num_seqs) + 1
+                         4 * cdiv(wanted, block_size) * config.max_num_seqs) + 1
     if num_blocks - 1 < 1:
         raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
     pool = f"what the KV cache holds ({num_blocks - 1} blocks of {block_size})"
@@ -222,7 +223,7 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
         if wanted > limit and config.max_model_len is not None:
             raise ValueError(f"max_model_len {wanted} exceeds {what}: {limit} tokens")
     max_model_len = min(wanted, *limits.values())
-    max_blocks_per_seq = -(-max_model_len // block_size)
+    max_blocks_per_seq = cdiv(max_model_len, block_size)
     return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
                           max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
                           dtype=dtype, platform=platform, attention=attention,
