@@ -2,6 +2,7 @@
 shutting down on SIGTERM (a request that fits in the grace period finishes, one that does not is cut,
 new connections are refused, the process exits 0)."""
 
+import dataclasses
 import signal
 import socket
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from paged_jax.core.config import EngineConfig
+from paged_jax.serving import cli
 from paged_jax.serving.cli import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +32,27 @@ def test_flags_take_vllm_names():
     assert (s.served_model_name, s.api_key, s.max_num_queued_reqs, s.request_timeout, s.max_tokens_cap) == (
         "m", "k", 5, 30.0, 64)
     assert (args.host, args.port) == ("127.0.0.1", 8000)
+
+
+def test_every_engine_config_field_is_a_flag_with_its_help(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    squeeze = lambda text: "".join(text.split())  # argparse wraps the help, at spaces and hyphens
+    usage = squeeze(capsys.readouterr().out)
+    for field in dataclasses.fields(EngineConfig):
+        assert field.metadata["help"] and squeeze(field.metadata["help"]) in usage
+        assert "--" + {"num_blocks": "num-gpu-blocks-override"}.get(field.name, field.name.replace("_", "-")) in usage
+
+
+def test_a_new_engine_config_field_needs_no_flag_written_for_it(monkeypatch):
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Extended(EngineConfig):
+        new_limit: int | None = None
+        new_ratio: float = 0.5
+
+    monkeypatch.setattr(cli, "EngineConfig", Extended)
+    config = parse_args(["--new-limit", "3", "--new-ratio", "0.25", "--max-num-seqs", "2"]).engine_config
+    assert (config.new_limit, config.new_ratio, config.max_num_seqs) == (3, 0.25, 2)
 
 
 @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--dtype", "float16"], ["--max-num-queued-reqs", "-1"]])
