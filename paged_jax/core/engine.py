@@ -67,6 +67,11 @@ def _enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# Once, when the engine is imported, not by each engine built: the cache is the process's, and so a
+# setting made before anything compiles (as JAX advises), not a side effect of constructing an object.
+_enable_compilation_cache()
+
+
 def _mesh(config: EngineConfig) -> Mesh | None:
     """The mesh the engine splits the model over, or None on one device. In a group of processes
     (distributed.py) it spans every process's devices."""
@@ -82,7 +87,6 @@ class LLMEngine:
         With tensor_parallel_size N > 1 the engine runs on the first N devices, the model split over
         them (models/sharding.py); model_config is then the split model's (KV heads' copies counted).
         """
-        _enable_compilation_cache()
         self.config = config or EngineConfig()
         mesh = _mesh(self.config)
         if mesh is not None:
