@@ -30,7 +30,7 @@ from paged_jax import LLMEngine, SamplingParams
 from kernels_pallas.layout import LAYOUTS
 from paged_jax.research import step_profile
 from paged_jax.core.config import DTYPES, MATMUL_BACKENDS
-from paged_jax.research.step_profile import matmul_peak_gflops
+from paged_jax.research.machine_peaks import matmul_peak_gflops
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
 
