@@ -8,6 +8,12 @@ The engine classes load lazily, so `import paged_jax.core.block_pool` stays ligh
 
 import importlib
 
+from paged_jax import siblings
+
+# Before anything imports them: `models` and `kernels_pallas` are the project's, whatever folders or
+# files of those names lie where the user works (siblings.py).
+siblings.install()
+
 _EXPORTS = {
     "LLM": "paged_jax.core.llm",
     "LLMEngine": "paged_jax.core.engine",

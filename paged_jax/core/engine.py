@@ -49,6 +49,11 @@ def _enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# Once, when the engine is imported, not by each engine built: the cache is the process's, and so a
+# setting made before anything compiles (as JAX advises), not a side effect of constructing an object.
+_enable_compilation_cache()
+
+
 def _mesh(config: EngineConfig) -> Mesh | None:
     """The mesh the engine splits the model over, or None on one device. In a group of processes
     (distributed.py) it spans every process's devices."""
@@ -58,13 +63,12 @@ def _mesh(config: EngineConfig) -> Mesh | None:
 
 class LLMEngine:
     def __init__(self, model, model_config, tokenizer, config: EngineConfig | None = None):
-        """model: a models.LlamaForCausalLM on the default device (where the engine runs), or already
-        split over the engine's mesh (models.load_model(..., mesh=...)); tokenizer: a transformers tokenizer.
+        """model: of an architecture in models.registry, on the default device (where the engine runs), or
+        already split over the engine's mesh (models.load_model(..., mesh=...)); tokenizer: a transformers tokenizer.
 
         With tensor_parallel_size N > 1 the engine runs on the first N devices, the model split over
         them (models/sharding.py); model_config is then the split model's (KV heads' copies counted).
         """
-        _enable_compilation_cache()
         self.config = config or EngineConfig()
         mesh = _mesh(self.config)
         if mesh is not None:
@@ -85,7 +89,7 @@ class LLMEngine:
                    attention.backend, attention.reason)
         logger.info("matmul backend %s: %s", self.resolved.matmul_backend, self.resolved.matmul.reason)
         if self.resolved.matmul_backend == "cpu":
-            model = models.pack_for_cpu(model)
+            model = model.pack_for_cpu()
         self.runner = ModelRunner(model, model_config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
@@ -100,7 +104,7 @@ class LLMEngine:
         self.num_batched_tokens = 0
 
     @classmethod
-    def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
+    def from_pretrained(cls, model: str = models.DEFAULT_MODEL, config: EngineConfig | None = None,
                         **options) -> "LLMEngine":
         """Load `model` and build an engine from `config` or, without one, from EngineConfig's fields as keywords."""
         if config is not None and options:

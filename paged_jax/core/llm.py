@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from models import DEFAULT_MODEL
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
@@ -18,7 +19,7 @@ class LLM:
     engine_options are EngineConfig's fields (block_size, max_num_seqs, enable_prefix_caching, ...).
     """
 
-    def __init__(self, model: str = "smollm2-135m", **engine_options):
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
         self.engine = LLMEngine.from_pretrained(model, **engine_options)
 
     @classmethod
