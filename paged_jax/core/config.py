@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend, cpu_kernel
 from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
+from paged_jax.core.buckets import StepBuckets
 from paged_jax.core.policy import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -35,6 +36,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    # While sequences decode, the prompt tokens one step may carry beside them (0: no cap beyond
+    # max_num_batched_tokens), so that a long prompt does not stall every decode for a whole long step
+    # (scheduler.py). vLLM's name; vLLM caps each request's chunk, this caps the step's prompt tokens,
+    # and only while something decodes. The default keeps a step with prefill within a few decode
+    # steps' time (measured with scripts/measure_step_time.py).
+    long_prefill_token_threshold: int = 128
+    # How many prompts may be part-way through their prefill at once (vLLM's name): a prompt that
+    # cannot finish in this step waits while that many are. 1 finishes prompts one at a time, first
+    # come first, which gives the earliest first tokens.
+    max_num_partial_prefills: int = 1
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -63,8 +74,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
 
         for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
+                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size", "max_num_partial_prefills"):
             positive(name)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -94,6 +107,7 @@ class ResolvedConfig:
     platform: str  # the JAX platform the engine runs on: "gpu", "cpu", ...
     attention: BackendChoice  # the attention backend that runs (never "auto"), and why
     matmul: BackendChoice  # "cpu" or "xla" (never "auto"), and why
+    buckets: StepBuckets  # every shape a step can take
 
     @property
     def attention_backend(self) -> str:
@@ -226,4 +240,6 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
                           max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
                           dtype=dtype, platform=platform, attention=attention,
-                          matmul=choose_matmul_backend(config, platform, weights_dtype))
+                          matmul=choose_matmul_backend(config, platform, weights_dtype),
+                          buckets=StepBuckets(config.max_num_batched_tokens, config.max_num_seqs,
+                                              max_blocks_per_seq, backend))

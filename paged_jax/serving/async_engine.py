@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
+from paged_jax.core import warmup
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
@@ -171,10 +172,12 @@ class StatLogger:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, max_num_queued_reqs: int | None = None,
-                 stat_loggers: Sequence[StatLogger] = ()):
+                 stat_loggers: Sequence[StatLogger] = (), warm_up: bool = True):
         """max_num_queued_reqs: how many requests may wait for admission; add_request raises
         QueueFullError beyond it (None: no limit). A request counts as waiting once the requests ahead
-        of it fill max_num_seqs, so a burst into an idle engine is not refused."""
+        of it fill max_num_seqs, so a burst into an idle engine is not refused.
+        warm_up: the loop first makes every program a step can run (core/warmup.py) and is ready after;
+        requests that come sooner wait for it."""
         if max_num_queued_reqs is not None and max_num_queued_reqs < 0:
             raise ValueError(f"max_num_queued_reqs must be >= 0, got {max_num_queued_reqs}")
         self.engine = engine
@@ -190,6 +193,8 @@ class AsyncLLMEngine:
         self._live: dict[str, _Live] = {}  # loop thread only
         self._iteration = IterationStats()
         self._stopping = False
+        self._warm_up = warm_up
+        self._warmed = threading.Event()
         self.scheduler_stats = self._scheduler_stats()
         self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
         self._thread.start()
@@ -207,6 +212,11 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
+
+    @property
+    def is_ready(self) -> bool:
+        """Running, and warmed up: no request will meet a compile."""
+        return self._warmed.is_set() and self.is_running
 
     # The caller's side (any thread with an event loop).
 
@@ -271,6 +281,9 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         idle_wait = 0
         try:
+            if self._warm_up:
+                warmup.warm_up(self.engine)
+            self._warmed.set()
             while self._take_commands(idle_wait if self.engine.has_unfinished_requests() else None):
                 ran = self.engine.has_unfinished_requests() and self._step()
                 idle_wait = 0 if ran else _IDLE_WAIT_S
