@@ -118,6 +118,7 @@ class ModelRunner:
         self.model_config = model_config
         self.resolved = resolved
         self.kv_cache = self._new_kv_cache()
+        self.device_seconds = 0.0  # waiting for steps to come back, so far (run_step)
 
     def _new_kv_cache(self) -> KVCache:
         if self.mesh is None:
@@ -173,7 +174,7 @@ class ModelRunner:
     def run_step(self, copies: np.ndarray, step_input: StepInput,
                  tensors: sampling.SamplingTensors) -> sampling.SamplerOutput:
         """Copy blocks (copies: int32 [n, 2] rows of src, dst), then run the step; what it sampled, on the
-        host. device_seconds is then the time from the first call until the samples were on the host."""
+        host. Adds to device_seconds the time from the first call until the samples were on the host."""
         start = time.perf_counter()
         width = self.resolved.buckets.num_head_rows  # a step makes at most one copy per sequence
         for i in range(0, len(copies), width):
@@ -183,7 +184,7 @@ class ModelRunner:
         args, keywords = self._step_args(step_input)
         hidden, self.kv_cache = step(*args, **keywords)
         sampled = distributed.to_host(sample_step(self.graph, self._weights, hidden, tensors))
-        self.device_seconds = time.perf_counter() - start
+        self.device_seconds += time.perf_counter() - start
         return sampled
 
     def warm_up(self) -> None:

@@ -345,7 +345,7 @@ class AsyncLLMEngine:
     def _step(self) -> bool:
         """One engine step; whether it ran any token."""
         start = time.monotonic()
-        tokens_before = self.engine.num_batched_tokens
+        tokens_before, device_before = self.engine.num_batched_tokens, self.engine.runner.device_seconds
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -369,6 +369,8 @@ class AsyncLLMEngine:
                 reasons = [c.finish_reason for c in out.outputs]
                 it.finished.append(live.finished("error" if "error" in reasons else reasons[0], now))
         self._post(posts)
+        it.device_time = self.engine.runner.device_seconds - device_before
+        it.host_time = time.monotonic() - start - it.device_time
         return it.num_batched_tokens > 0
 
     def _observe(self, live: _Live, out: RequestOutput, now: float) -> None:

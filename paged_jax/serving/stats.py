@@ -46,6 +46,10 @@ class IterationStats:
     """Filled in during one loop iteration; step_time is None when no step ran (only adds, aborts)."""
 
     step_time: float | None = None
+    # Of the iteration's time (its step, and handing the outputs over): waiting for the device (from
+    # the step's first call until its samples were on the host), and the rest, the host's own work.
+    device_time: float | None = None
+    host_time: float | None = None
     num_batched_tokens: int = 0
     num_prompt_tokens: int = 0  # prompts whose first token came in this iteration
     num_generation_tokens: int = 0
