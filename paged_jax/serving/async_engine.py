@@ -283,6 +283,7 @@ class AsyncLLMEngine:
         try:
             if self._warm_up:
                 warmup.warm_up(self.engine)
+                self._publish()  # the warm-up's programs, counted before anything else runs
             self._warmed.set()
             while self._take_commands(idle_wait if self.engine.has_unfinished_requests() else None):
                 ran = self.engine.has_unfinished_requests() and self._step()
