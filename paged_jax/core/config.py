@@ -36,12 +36,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
-    # While sequences decode, the prompt tokens one step may carry beside them (0: no cap beyond
-    # max_num_batched_tokens), so that a long prompt does not stall every decode for a whole long step
-    # (scheduler.py). vLLM's name; vLLM caps each request's chunk, this caps the step's prompt tokens,
-    # and only while something decodes. The default keeps a step with prefill within a few decode
-    # steps' time (measured with scripts/measure_step_time.py).
-    long_prefill_token_threshold: int = 128
+    # While D sequences decode, a step's tokens in all when it carries prompt tokens beside them (but
+    # at least 3 prompt tokens per decode; 0: no cap beyond max_num_batched_tokens), so that a long
+    # prompt does not stall every decode for a whole long step (scheduler.py). vLLM's name: vLLM caps
+    # each request's chunk; this caps the step, and only while something decodes. The default keeps a
+    # step with prefill within about three decode steps' time at moderate load
+    # (scripts/measure_step_time.py), one step bucket.
+    long_prefill_token_threshold: int = 64
     # How many prompts may be part-way through their prefill at once (vLLM's name): a prompt that
     # cannot finish in this step waits while that many are. 1 finishes prompts one at a time, first
     # come first, which gives the earliest first tokens.

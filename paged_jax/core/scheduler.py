@@ -10,11 +10,12 @@ Each step the scheduler
    under FCFS nothing starves).
 
 A step schedules at most max_num_seqs sequences (forks of n > 1 may make more run: the rest wait a
-step). Prompts are held back for latency (with chunked prefill): while some sequence decodes, the
-step's prompt tokens are at most long_prefill_token_threshold, so that a decode waits for a short step
+step). Prompts are held back for latency (with chunked prefill): while D sequences decode, a step
+carries prompt tokens up to long_prefill_token_threshold tokens in all (at least 3 per decode, so that
+under load prompts keep coming in as fast as requests finish), so that a decode waits for a short step
 and not for a whole long prompt; and a prompt that cannot finish in this step is admitted only while
 fewer than max_num_partial_prefills prompts are part-way through theirs. Each part-way prompt still
-gets the budget's first tokens in its turn, so it finishes.
+gets the prompt tokens first in its turn, so it finishes.
 
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
@@ -34,6 +35,12 @@ from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.policy import sort_key
 from paged_jax.core.sequence import Sequence, Status
+
+
+# Prompt tokens a step may carry per decoding sequence, whatever long_prefill_token_threshold says:
+# under load, prompts are then admitted as fast as requests finish for workloads whose prompts are up
+# to three times as long as their outputs (W1's are 2.4 times), so the batch stays full.
+_PROMPT_TOKENS_PER_DECODE = 3
 
 
 class KVSwapper(Protocol):
@@ -137,13 +144,14 @@ class Scheduler:
             seq.token_ids, seq.block_ids, seq.num_cached_blocks, seq.num_computed_tokens + num_new)
 
     def _prompt_cap(self) -> int | None:
-        """The most prompt tokens this step may carry: long_prefill_token_threshold while some running
-        sequence decodes (and prompts can be chunked), else no cap beyond the budget (None)."""
+        """The most prompt tokens this step may carry while D running sequences decode (and prompts can
+        be chunked): what fills the step up to long_prefill_token_threshold tokens, and at least
+        _PROMPT_TOKENS_PER_DECODE * D; None (no cap beyond the budget) when nothing decodes."""
         threshold = self.config.long_prefill_token_threshold
         if not threshold or not self.config.enable_chunked_prefill:
             return None
-        decoding = any(s.num_computable_tokens - s.num_computed_tokens == 1 for s in self.running)
-        return threshold if decoding else None
+        decoding = sum(s.num_computable_tokens - s.num_computed_tokens == 1 for s in self.running)
+        return max(threshold - decoding, _PROMPT_TOKENS_PER_DECODE * decoding) if decoding else None
 
     def _num_new_tokens(self, seq: Sequence, budget: "_Budget") -> int:
         """Tokens to compute for seq this step, 0 if it cannot run now."""

@@ -39,7 +39,7 @@ _HELP = {
     "gpu_memory_utilization": "share of GPU memory for weights and KV cache",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "most tokens in one step",
-    "long_prefill_token_threshold": "most prompt tokens in a step while sequences decode (0: no cap)",
+    "long_prefill_token_threshold": "a step's tokens while sequences decode, prompts filling the rest (0: no cap)",
     "max_num_partial_prefills": "most prompts part-way through their prefill at once",
     "max_model_len": "context length (default: the model's)",
     "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
