@@ -36,13 +36,15 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
-    # While D sequences decode, a step's tokens in all when it carries prompt tokens beside them (but
-    # at least 3 prompt tokens per decode; 0: no cap beyond max_num_batched_tokens), so that a long
-    # prompt does not stall every decode for a whole long step (scheduler.py). vLLM's name: vLLM caps
-    # each request's chunk; this caps the step, and only while something decodes. The default keeps a
-    # step with prefill within about three decode steps' time at moderate load
-    # (scripts/measure_step_time.py), one step bucket.
-    long_prefill_token_threshold: int = 64
+    # While sequences decode, a step's tokens in all when it carries prompt tokens beside them (but at
+    # least 3 prompt tokens per decode; 0: no cap beyond max_num_batched_tokens), so that a long prompt
+    # does not stall every decode for a whole long step (scheduler.py; the cap lifts while more than 8
+    # requests wait). vLLM's name: vLLM caps each request's chunk; this caps the step, and only while
+    # something decodes. A power of two, so that a capped step fills its bucket (buckets.py). The
+    # default halves the longest steps of W1 at 1 to 4 requests/s without delaying first tokens, and
+    # costs a few percent of throughput at unlimited rate (a replay on step times measured with
+    # scripts/measure_step_time.py; 128 cut the tails further but delayed first tokens at 4/s).
+    long_prefill_token_threshold: int = 256
     # How many prompts may be part-way through their prefill at once (vLLM's name): a prompt that
     # cannot finish in this step waits while that many are. 1 finishes prompts one at a time, first
     # come first, which gives the earliest first tokens.

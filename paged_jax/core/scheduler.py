@@ -10,12 +10,12 @@ Each step the scheduler
    under FCFS nothing starves).
 
 A step schedules at most max_num_seqs sequences (forks of n > 1 may make more run: the rest wait a
-step). Prompts are held back for latency (with chunked prefill): while D sequences decode, a step
-carries prompt tokens up to long_prefill_token_threshold tokens in all (at least 3 per decode, so that
-under load prompts keep coming in as fast as requests finish), so that a decode waits for a short step
-and not for a whole long prompt; and a prompt that cannot finish in this step is admitted only while
-fewer than max_num_partial_prefills prompts are part-way through theirs. Each part-way prompt still
-gets the prompt tokens first in its turn, so it finishes.
+step). Prompts are held back for latency (with chunked prefill): while sequences decode and no
+backlog has built up, a step carries prompt tokens up to long_prefill_token_threshold tokens in all
+(at least 3 per decode, so that prompts keep coming in as fast as requests finish), so that a decode
+waits for a short step and not for a whole long prompt; and a prompt that cannot finish in this step
+is admitted only while fewer than max_num_partial_prefills prompts are part-way through theirs. Each
+part-way prompt still gets the prompt tokens first in its turn, so it finishes.
 
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
@@ -41,6 +41,10 @@ from paged_jax.core.sequence import Sequence, Status
 # under load, prompts are then admitted as fast as requests finish for workloads whose prompts are up
 # to three times as long as their outputs (W1's are 2.4 times), so the batch stays full.
 _PROMPT_TOKENS_PER_DECODE = 3
+# More requests waiting than this: they come faster than they are served, and their first tokens wait
+# on the queue more than on any step. The cap on prompt tokens lifts, and steps take all the prompt
+# tokens they can (throughput first) until the backlog is gone.
+_BACKLOG = 8
 
 
 class KVSwapper(Protocol):
@@ -146,9 +150,10 @@ class Scheduler:
     def _prompt_cap(self) -> int | None:
         """The most prompt tokens this step may carry while D running sequences decode (and prompts can
         be chunked): what fills the step up to long_prefill_token_threshold tokens, and at least
-        _PROMPT_TOKENS_PER_DECODE * D; None (no cap beyond the budget) when nothing decodes."""
+        _PROMPT_TOKENS_PER_DECODE * D; None (no cap beyond the budget) when nothing decodes, or when a
+        backlog has built up."""
         threshold = self.config.long_prefill_token_threshold
-        if not threshold or not self.config.enable_chunked_prefill:
+        if not threshold or not self.config.enable_chunked_prefill or len(self.waiting) > _BACKLOG:
             return None
         decoding = sum(s.num_computable_tokens - s.num_computed_tokens == 1 for s in self.running)
         return max(threshold - decoding, _PROMPT_TOKENS_PER_DECODE * decoding) if decoding else None

@@ -131,3 +131,18 @@ def test_a_step_never_holds_more_than_max_num_seqs_and_forks_all_run():
         for s in run_step(scheduler, out):
             outputs[s.seq_id] = s.num_output_tokens
     assert len(outputs) == 9 and set(outputs.values()) == {6}
+
+
+def test_a_backlog_lifts_the_cap():
+    scheduler = scheduler_for(long_prefill_token_threshold=64, max_num_partial_prefills=4)
+    for i in range(4):
+        scheduler.add(make_seq(i, 20, max_tokens=1000))
+    run_step(scheduler, scheduler.schedule())
+    for i in range(9):  # more than the backlog the cap allows
+        scheduler.add(make_seq(10 + i, 300, max_tokens=1))
+    out = scheduler.schedule()
+    assert decodes(out) == 4 and prompt_tokens(out) == 512 - 4
+    for i in range(8):  # the backlog is gone: the cap is back
+        run_step(scheduler, scheduler.schedule())
+    assert len(scheduler.waiting) <= 8
+    assert prompt_tokens(scheduler.schedule()) <= 64 - 4
