@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import sharding
-from paged_jax.core import compiles, distributed, sampling
+from paged_jax.core import distributed, sampling
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.config import ResolvedConfig
@@ -141,8 +141,9 @@ class ModelRunner:
 
     @property
     def num_compiles(self) -> int:
-        """Programs compiled (or loaded from the persistent cache) so far in this process (compiles.py)."""
-        return compiles.count()
+        """Programs of the step's calls (model, sampler, block copies, swaps) compiled or loaded so far,
+        for any runner of this process (counts recompiles). compiles.count() counts every program."""
+        return sum(f._cache_size() for f in (step, sample_step, copy_blocks, _read_blocks, _write_blocks))
 
     def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""

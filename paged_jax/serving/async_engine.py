@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-from paged_jax.core import warmup
+from paged_jax.core import compiles, warmup
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
@@ -461,7 +461,7 @@ class AsyncLLMEngine:
             num_preemptions=stats.num_preemptions,
             prefix_cache_queries=stats.prefix_cache_queried_blocks * blocks.block_size,
             prefix_cache_hits=stats.prefix_cache_hit_blocks * blocks.block_size,
-            num_compiles=stats.num_compiles, num_batched_tokens=stats.num_batched_tokens)
+            num_compiles=compiles.count(), num_batched_tokens=stats.num_batched_tokens)
 
     def _publish(self) -> None:
         self.scheduler_stats = self._scheduler_stats()

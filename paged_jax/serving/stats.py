@@ -18,7 +18,7 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (whole blocks)
     prefix_cache_hits: int  # of those, tokens found
-    num_compiles: int
+    num_compiles: int  # every XLA program compiled or loaded in the process (core/compiles.py)
     num_batched_tokens: int  # tokens run through the model
 
     @property
