@@ -35,16 +35,7 @@ from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.policy import sort_key
 from paged_jax.core.sequence import Sequence, Status
-
-
-# Prompt tokens a step may carry per decoding sequence, whatever long_prefill_token_threshold says:
-# under load, prompts are then admitted as fast as requests finish for workloads whose prompts are up
-# to three times as long as their outputs (W1's are 2.4 times), so the batch stays full.
-_PROMPT_TOKENS_PER_DECODE = 3
-# More requests waiting than this: they come faster than they are served, and their first tokens wait
-# on the queue more than on any step. The cap on prompt tokens lifts, and steps take all the prompt
-# tokens they can (throughput first) until the backlog is gone.
-_BACKLOG = 8
+from paged_jax.core.step_budget import StepBudget, prompt_cap
 
 
 class KVSwapper(Protocol):
@@ -103,7 +94,8 @@ class Scheduler:
             # Stable sorts: ties keep the order of events (forks behind their parent, preempted first).
             self.waiting = collections.deque(sorted(self.waiting, key=self._key))
             self.running.sort(key=self._key)
-        budget = _Budget(self.config.max_num_batched_tokens, self._prompt_cap())
+        decoding = sum(s.num_computable_tokens - s.num_computed_tokens == 1 for s in self.running)
+        budget = StepBudget(self.config.max_num_batched_tokens, prompt_cap(self.config, decoding, len(self.waiting)))
 
         i = 0
         while i < len(self.running) and budget.tokens > 0 and len(out.scheduled) < self.config.max_num_seqs:
@@ -147,18 +139,7 @@ class Scheduler:
         seq.num_cached_blocks = self.blocks.cache_full_blocks(
             seq.token_ids, seq.block_ids, seq.num_cached_blocks, seq.num_computed_tokens + num_new)
 
-    def _prompt_cap(self) -> int | None:
-        """The most prompt tokens this step may carry while D running sequences decode (and prompts can
-        be chunked): what fills the step up to long_prefill_token_threshold tokens, and at least
-        _PROMPT_TOKENS_PER_DECODE * D; None (no cap beyond the budget) when nothing decodes, or when a
-        backlog has built up."""
-        threshold = self.config.long_prefill_token_threshold
-        if not threshold or not self.config.enable_chunked_prefill or len(self.waiting) > _BACKLOG:
-            return None
-        decoding = sum(s.num_computable_tokens - s.num_computed_tokens == 1 for s in self.running)
-        return max(threshold - decoding, _PROMPT_TOKENS_PER_DECODE * decoding) if decoding else None
-
-    def _num_new_tokens(self, seq: Sequence, budget: "_Budget") -> int:
+    def _num_new_tokens(self, seq: Sequence, budget: StepBudget) -> int:
         """Tokens to compute for seq this step, 0 if it cannot run now."""
         remaining = seq.num_computable_tokens - seq.num_computed_tokens
         allowed = budget.for_prompt() if remaining > 1 else budget.tokens
@@ -200,7 +181,7 @@ class Scheduler:
         index = seq.num_computed_tokens // self.blocks.block_size
         return index if self.blocks.is_shared(seq.block_ids[index]) else None
 
-    def _admit(self, seq: Sequence, budget: "_Budget", out: SchedulerOutput) -> int:
+    def _admit(self, seq: Sequence, budget: StepBudget, out: SchedulerOutput) -> int:
         """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
         if seq.swapped_kv is not None:
             return self._swap_in(seq, budget)
@@ -220,7 +201,7 @@ class Scheduler:
         seq.num_prefix_hit_tokens = max(seq.num_prefix_hit_tokens, num_computed)
         return num_new
 
-    def _swap_in(self, seq: Sequence, budget: "_Budget") -> int:
+    def _swap_in(self, seq: Sequence, budget: StepBudget) -> int:
         num_blocks = self._blocks_for(seq.num_computed_tokens)
         num_new = self._num_new_tokens(seq, budget)
         need = self._blocks_for(seq.num_computed_tokens + num_new)
@@ -289,18 +270,3 @@ class Scheduler:
         seq.swapped_kv = None
         seq.status = Status.FINISHED
 
-
-class _Budget:
-    """What is left of a step's tokens, and of the share of them prompts may take (None: all)."""
-
-    def __init__(self, tokens: int, prompt_cap: int | None):
-        self.tokens, self.prompt_tokens = tokens, prompt_cap
-
-    def for_prompt(self) -> int:
-        return self.tokens if self.prompt_tokens is None else min(self.tokens, self.prompt_tokens)
-
-    def spend(self, seq: Sequence, num_new: int) -> None:
-        """seq was given num_new tokens; whether they count as prompt tokens is told by what it had left."""
-        self.tokens -= num_new
-        if self.prompt_tokens is not None and seq.num_computable_tokens - seq.num_computed_tokens > 1:
-            self.prompt_tokens -= num_new
