@@ -173,14 +173,26 @@ class LlamaForCausalLM(nnx.Module):
         attn_backend: str = "auto",
         mesh=None,
     ) -> tuple[jax.Array, KVCache]:
-        """One engine step over a flat ragged batch.
+        """One engine step over a flat ragged batch: `hidden_states`, then `logits` of the wanted rows.
+
+        logits_indices: int32 [num_seqs], rows of the flat batch whose logits are wanted; the other
+        arguments as `hidden_states` takes them.
+        Returns logits float32 [num_seqs, vocab] and the cache holding this step's K/V.
+        """
+        x, kv_cache = self.hidden_states(input_ids, positions, kv_cache, metadata, attn_backend=attn_backend,
+                                         mesh=mesh)
+        # Only the sampled rows go through the final norm and the lm_head, the largest matmul.
+        return self.logits(x[logits_indices]), kv_cache
+
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, metadata: AttentionMetadata,
+                      *, attn_backend: str = "auto", mesh=None) -> tuple[jax.Array, KVCache]:
+        """The decoder layers over a flat ragged batch, before the final norm.
 
         input_ids: int32 [num_tokens]; padding tokens carry slot -1 in metadata.slot_mapping.
         positions: int32 [num_tokens], each token's position in its sequence.
         kv_cache: pages of every layer, in kv_cache.layout.
-        logits_indices: int32 [num_seqs], rows of the flat batch whose logits are wanted.
         mesh: the jax.sharding.Mesh the parameters and pages are split over, or None (one device).
-        Returns logits float32 [num_seqs, vocab] and the cache holding this step's K/V.
+        Returns the last layer's output [num_tokens, hidden] and the cache holding this step's K/V.
         """
         cos, sin = rope.cos_sin(positions, rope.inv_freq(self.config))
         if self.packed and self.config.tie_word_embeddings:  # the embedding's transpose, packed
@@ -193,16 +205,17 @@ class LlamaForCausalLM(nnx.Module):
                                                  attn_backend=attn_backend, kv_layout=kv_cache.layout, mesh=mesh)
             ks.append(k_pages)
             vs.append(v_pages)
-        # Only the sampled rows go through the final norm and the lm_head, the largest matmul.
-        x = self.norm(x[logits_indices])
+        return x, dataclasses.replace(kv_cache, k=tuple(ks), v=tuple(vs))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """x: [rows, hidden], rows of `hidden_states` -> float32 [rows, vocab]: the final norm and the lm_head."""
+        x = self.norm(x)
         if self.packed:
             lm_head = self.embed if self.config.tie_word_embeddings else self.lm_head
-            logits = _linear(x, lm_head[...], (self.config.vocab_size,), packed=True)
-        elif self.config.tie_word_embeddings:
-            logits = jnp.einsum("th,vh->tv", x, self.embed[...], preferred_element_type=jnp.float32)
-        else:
-            logits = jnp.einsum("th,hv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
-        return logits, dataclasses.replace(kv_cache, k=tuple(ks), v=tuple(vs))
+            return _linear(x, lm_head[...], (self.config.vocab_size,), packed=True)
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("th,vh->tv", x, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("th,hv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def pack_for_cpu(self) -> "LlamaForCausalLM":
         """A copy of the model whose matmul weights are packed in column panels for the C++ CPU matmul

@@ -25,7 +25,7 @@ from kernels_pallas import layout
 from kernels_pallas.cpu import kernel as cpu_kernel
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.cpu.xla import paged_attention_xla
-from paged_jax.core.buckets import step_shape
+from paged_jax.core.buckets import StepBuckets
 
 BANDWIDTH = 20e9  # bytes/s, read + write, measured on this machine kind (see /work/shared/CPU.md)
 
@@ -81,7 +81,9 @@ def make_step(scenario: Scenario, args, rng):
     seq_lens = np.add(scenario.cached, scenario.new)
     blocks = -(-seq_lens // bs)
     num_tokens = int(sum(scenario.new))
-    T, S, W, Q = step_shape(num_tokens, len(seq_lens), int(blocks.max()), max(scenario.new))
+    # Padded as the engine pads a step, with the tightest Q bound (the Pallas kernel's) for the formulations that use it.
+    buckets = StepBuckets(num_tokens, len(seq_lens), int(blocks.max()), attention_backend="pallas")
+    T, S, W, Q = buckets.shape(num_tokens, max(scenario.new))
     num_blocks = int(blocks.sum()) + 1
     shape = layout.page_shape(num_blocks, bs, kvh, dim)
     dtype = jnp.dtype(args.dtype)

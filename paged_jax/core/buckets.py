@@ -1,18 +1,36 @@
-"""Bucketing: lengths rounded up to powers of two, so a run meets a small, fixed set of shapes and
-nothing compiles after warm-up.
+"""Bucketing: the few padded shapes a step can take, all known from the engine's limits, so that each
+is compiled before traffic (warmup.py) and nothing compiles after.
 
-Every array the host hands a jitted call is padded to its bucket: the step's flat batch (batch.py),
-the id lists of the block pool's calls (block_manager.py) and of block copies (model_runner.py).
+A step is two jitted calls (model_runner.py): the model over the step's flat batch of new tokens, then
+the head (final norm, lm_head) and the sampler over the rows that sample. Their static sizes, and why
+each is what it is:
+
+- T, the batch's tokens: a power of two from MIN_TOKENS up to max_num_batched_tokens' bucket. The
+  model's matmuls run on every padded token, so this one follows the traffic.
+- attention rows (block-table rows, seq_lens): min(T, max_num_seqs). Every scheduled sequence has a
+  token, so never more than T: derived from T, no size of its own; the kernels skip empty rows.
+- block-table width: always max_blocks_per_seq, the longest context's blocks (a few KB a step); the
+  kernels read a row's real blocks only (its seq_len).
+- Q, the static bound on one sequence's new tokens: the Pallas kernel's grid needs it (bucketed); the
+  XLA path reads only whether some row has more than one token (1 or T); the CPU kernel reads each
+  row's length at run time (always T).
+- S, the sampled rows: the lm_head costs as much for a padded row as for a real one (most of a
+  millisecond each on the CPU), so S is a fine bucket (powers of two and the midpoints between them)
+  up to max_num_seqs; the model call hands the head a fixed max_num_seqs rows to take them from.
+
+Id lists of the block pool's calls and of KV-block copies are padded to fixed widths too
+(block_manager.py, model_runner.py).
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
 
-# Floors of a step's buckets: smaller ones would only add compiled shapes.
-MIN_TOKENS = 16
-MIN_SEQS = 8
-MIN_BLOCKS = 8  # block-table width
+MIN_TOKENS = 16  # T's floor: below it a step costs about the same (the weights' read dominates)
+POOL_IDS = 64  # ids per block-pool call; longer lists go in several calls
+# How each attention backend reads the static bound on a sequence's new tokens (default: "bucketed").
+_QUERY_LEN = {"cpu": "unused", "xla": "decode_or_not"}
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -20,26 +38,76 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
-def pad_to_bucket(ids, fill: int) -> np.ndarray:
-    """int32 ids padded with `fill` to a power-of-two length, so calls compile once per size class."""
-    out = np.full(bucket(len(ids)), fill, np.int32)
+def fine_bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them) >= n."""
+    power = bucket(n)
+    return power * 3 // 4 if power >= 4 and n <= power * 3 // 4 else power
+
+
+def pad_ids(ids, width: int, fill: int) -> np.ndarray:
+    """int32 [width]: ids, then `fill`."""
+    out = np.full(width, fill, np.int32)
     out[: len(ids)] = ids
     return out
 
 
 class StepShape(NamedTuple):
-    """The padded sizes of one step's flat batch; each distinct value compiles the step once."""
+    """The padded sizes of one step's flat batch; each distinct value compiles the model call once."""
 
     num_tokens: int  # T: new tokens of every sequence, end to end
-    num_seqs: int  # S: rows of the block table, the sampler's rows
-    max_blocks_per_seq: int  # W: block-table width
-    max_query_len: int  # Q: new tokens of any one sequence; 1 for a decode-only step
+    num_seqs: int  # rows of the block table
+    max_blocks_per_seq: int  # block-table width
+    max_query_len: int  # Q: static bound on one sequence's new tokens
 
 
-def step_shape(num_tokens: int, num_seqs: int, max_blocks: int, max_new_tokens: int) -> StepShape:
-    """Bucket a step of num_seqs sequences computing num_tokens new tokens in all, at most
-    max_new_tokens for one sequence, whose block lists hold at most max_blocks blocks."""
-    T = bucket(num_tokens, MIN_TOKENS)
-    # A decode-only step keeps Q = 1: attention then takes its one-token-per-row path.
-    Q = 1 if max_new_tokens == 1 else min(T, bucket(max_new_tokens, MIN_TOKENS))
-    return StepShape(T, bucket(num_seqs, MIN_SEQS), bucket(max_blocks, MIN_BLOCKS), Q)
+@dataclasses.dataclass(frozen=True)
+class StepBuckets:
+    """The shapes of an engine's steps, from its limits."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_blocks_per_seq: int
+    attention_backend: str  # a concrete backend (kernels_pallas.BACKENDS, not "auto")
+
+    @property
+    def num_head_rows(self) -> int:
+        """Rows the model call hands the head: the most sequences a step can sample."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def token_buckets(self) -> list[int]:
+        return [1 << k for k in range(MIN_TOKENS.bit_length() - 1, bucket(self.max_num_batched_tokens,
+                                                                               MIN_TOKENS).bit_length())]
+
+    def query_lens(self, num_tokens: int) -> list[int]:
+        """Every Q a step of T = num_tokens can have: the first for decode-only steps."""
+        mode = _QUERY_LEN.get(self.attention_backend, "bucketed")
+        if mode == "unused":
+            return [num_tokens]
+        if mode == "decode_or_not":
+            return [1, num_tokens]
+        return [1] + [q for q in self.token_buckets() if q <= num_tokens]
+
+    def shape(self, num_tokens: int, max_new_tokens: int) -> StepShape:
+        """The shape of a step computing num_tokens new tokens, at most max_new_tokens of one sequence."""
+        if num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"a step of {num_tokens} tokens is over max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens})")
+        T = bucket(num_tokens, MIN_TOKENS)
+        options = self.query_lens(T)
+        # The smallest bound that holds: 1 only for a decode-only step.
+        Q = next((q for q in options if q >= max_new_tokens), T)
+        return StepShape(T, min(T, self.max_num_seqs), self.max_blocks_per_seq, Q)
+
+    def shapes(self) -> list[StepShape]:
+        """Every shape `shape` can give, smallest first."""
+        return [StepShape(T, min(T, self.max_num_seqs), self.max_blocks_per_seq, Q)
+                for T in self.token_buckets() for Q in self.query_lens(T)]
+
+    def sample_rows(self, num_seqs: int) -> int:
+        """S, the sampler's rows for num_seqs sampled sequences."""
+        if num_seqs > self.num_head_rows:
+            raise ValueError(f"{num_seqs} sequences in a step, over max_num_seqs ({self.max_num_seqs})")
+        return min(fine_bucket(num_seqs), self.num_head_rows)
+
+    def all_sample_rows(self) -> list[int]:
+        return sorted({self.sample_rows(n) for n in range(1, self.num_head_rows + 1)})

@@ -9,6 +9,7 @@ from jax.experimental.pallas import cdiv
 
 from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend, cpu_kernel
 from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
+from paged_jax.core.buckets import StepBuckets
 from paged_jax.core.policy import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -41,6 +42,19 @@ class EngineConfig:
     gpu_memory_utilization: float = _option(0.9, "share of GPU memory for weights and KV cache")
     max_num_seqs: int = _option(64, "most sequences in one step")
     max_num_batched_tokens: int = _option(1024, "most tokens in one step")
+    # While sequences decode, a step's tokens in all when it carries prompt tokens beside them (but at
+    # least 3 prompt tokens per decode; 0: no cap beyond max_num_batched_tokens), so that a long prompt
+    # does not stall every decode for a whole long step (scheduler.py; the cap lifts while more than 8
+    # requests wait). vLLM's name: vLLM caps each request's chunk; this caps the step, and only while
+    # something decodes. A power of two, so that a capped step fills its bucket (buckets.py). The
+    # default halves the longest steps of W1 at 1 to 4 requests/s without delaying first tokens, and
+    # costs a few percent of throughput at unlimited rate (a replay on step times measured with
+    # scripts/measure_step_time.py; 128 cut the tails further but delayed first tokens at 4/s).
+    long_prefill_token_threshold: int = _option(
+        256, "a step's tokens while sequences decode, prompts filling the rest (0: no cap)")
+    # A prompt that cannot finish in this step waits while that many are part-way; 1 finishes prompts
+    # one at a time, first come first, which gives the earliest first tokens.
+    max_num_partial_prefills: int = _option(1, "most prompts part-way through their prefill at once")
     max_model_len: int | None = _option(None, "context length (default: the model's)")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _option(True, "split long prompts over steps, beside decodes")
@@ -68,10 +82,12 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
+                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size", "max_num_partial_prefills"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for field in dataclasses.fields(self):
@@ -93,6 +109,7 @@ class ResolvedConfig:
     platform: str  # the JAX platform the engine runs on: "gpu", "cpu", ...
     attention: BackendChoice  # the attention backend that runs (never "auto"), and why
     matmul: BackendChoice  # "cpu" or "xla" (never "auto"), and why
+    buckets: StepBuckets  # every shape a step can take
 
     @property
     def attention_backend(self) -> str:
@@ -225,4 +242,6 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
                           max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
                           dtype=dtype, platform=platform, attention=attention,
-                          matmul=choose_matmul_backend(config, platform, weights_dtype))
+                          matmul=choose_matmul_backend(config, platform, weights_dtype),
+                          buckets=StepBuckets(config.max_num_batched_tokens, config.max_num_seqs,
+                                              max_blocks_per_seq, backend))

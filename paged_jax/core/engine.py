@@ -287,6 +287,7 @@ class LLMEngine:
             block_size=self.resolved.block_size,
             num_preemptions=self.scheduler.num_preemptions,
             num_compiles=self.runner.num_compiles,
+            device_seconds=self.runner.device_seconds,
             peak_blocks_in_use=self.peak_blocks_in_use,
             prefix_cache_hit_blocks=cache.hit_blocks if cache else 0,
             prefix_cache_queried_blocks=cache.queried_blocks if cache else 0,

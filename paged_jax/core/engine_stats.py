@@ -14,7 +14,8 @@ class EngineStats:
     num_cached_blocks: int  # free, but holding a cached prefix a request may match
     block_size: int
     num_preemptions: int
-    num_compiles: int
+    num_compiles: int  # programs the runner compiled (core/compiles.py counts the whole process's)
+    device_seconds: float  # waiting for steps to come back from the device, so far
     peak_blocks_in_use: int
     prefix_cache_hit_blocks: int
     prefix_cache_queried_blocks: int

@@ -1,9 +1,14 @@
-"""Runs one engine step on the device: the jitted model call with sampling fused into it.
+"""Runs one engine step on the device: the model call over the step's flat batch, then the head and
+the sampler over the rows that sample.
+
+Two jitted calls, so that their static sizes multiply no further than each needs (buckets.py): the
+model's by the step's tokens, the head's and sampler's by the sampled rows, which the lm_head pays for
+one by one. Every program either can run is made by `warm_up`, on padding that writes nothing.
 
 The KV cache is donated to every call that changes it, so XLA updates its pages in place, and a step
-sends back only what the sampler picked (one device-to-host transfer). `step` is the one jitted step;
-`ModelRunner.step_args` gives what the engine passes it, so the same step can be lowered for another
-platform (tests lower it for CUDA on a CPU machine).
+sends back only what the sampler picked (one device-to-host transfer). `ModelRunner.step_args` gives
+what the engine passes the model call, so the same call can be lowered for another platform (tests
+lower it for CUDA on a CPU machine).
 
 The methods that touch the device take host arrays only and are `distributed.replicated`: in a group
 of processes (many hosts), the leader's call is made on every follower too, each on its own shards.
@@ -11,6 +16,7 @@ of processes (many hosts), the leader's call is made on every follower too, each
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +27,14 @@ from jax.sharding import Mesh
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import sharding
 from paged_jax.core import distributed, sampling
-from paged_jax.core.batch import StepInput, build_step_input
-from paged_jax.core.buckets import bucket, pad_to_bucket
+from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
+from paged_jax.core.buckets import pad_ids
 from paged_jax.core.config import ResolvedConfig
+from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import ScheduledSeq
+
+# Blocks per swap transfer: a sequence's blocks move in several calls of this one shape.
+SWAP_BLOCKS = 16
 
 
 class ModelGraph:
@@ -46,29 +56,48 @@ class ModelGraph:
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "attn_backend", "mesh"), donate_argnames=("kv_cache",))
-def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, step_input: StepInput,
-         sampling_tensors: sampling.SamplingTensors, *, attn_backend: str, mesh: Mesh | None = None):
-    """The model over one flat batch, then the sampler on each sequence's last new token.
+def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, step_input: StepInput, *,
+         attn_backend: str, mesh: Mesh | None = None):
+    """The model's layers over one flat batch.
 
     weights: the model state's leaves, in graph.treedef's order.
     kv_cache: every layer's pages, donated (updated in place; do not reuse the one passed in).
     attn_backend: a concrete backend (kernels_pallas.BACKENDS, not "auto": the caller knows the
         platform it compiles for, the trace does not).
     mesh: the mesh that state and kv_cache are split over (tensor parallelism), or None.
-    Returns (SamplerOutput with S rows, the cache holding the step's K/V).
+    Returns (the last layer's output at step_input.logits_indices [num_head_rows, hidden], the cache
+    holding the step's K/V).
     """
     model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
-    logits, kv_cache = model(step_input.input_ids, step_input.positions, kv_cache, step_input.metadata,
-                             step_input.logits_indices, attn_backend=attn_backend, mesh=mesh)
-    return sampling.sample(logits, sampling_tensors), kv_cache
+    hidden, kv_cache = model.hidden_states(step_input.input_ids, step_input.positions, kv_cache, step_input.metadata,
+                                           attn_backend=attn_backend, mesh=mesh)
+    return hidden[step_input.logits_indices], kv_cache
+
+
+@functools.partial(jax.jit, static_argnames=("graph",))
+def sample_step(graph: ModelGraph, weights: tuple[jax.Array, ...], hidden: jax.Array,
+                tensors: sampling.SamplingTensors) -> sampling.SamplerOutput:
+    """The final norm, the lm_head and the sampler over the first S rows of hidden [rows, hidden] (S:
+    the tensors' rows). Returns the SamplerOutput with S rows."""
+    model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
+    return sampling.sample(model.logits(hidden[: tensors.temperature.shape[0]]), tensors)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
-def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copy whole blocks src[i] -> dst[i] in every layer. src, dst: int32 [n]; dst out of range = skip.
-    The block axis comes first in every layout, so this copies whole blocks in any."""
-    copy = lambda pages: pages.at[dst].set(pages[src], mode="drop")
-    return dataclasses.replace(kv_cache, k=tuple(map(copy, kv_cache.k)), v=tuple(map(copy, kv_cache.v)))
+def copy_blocks(kv_cache: KVCache, copies: jax.Array, num_copies: jax.Array) -> KVCache:
+    """Copy whole blocks src -> dst in every layer, for the first num_copies (int32 []) rows (src, dst)
+    of copies: int32 [n, 2], one after another. The block axis comes first in every layout, so this
+    copies whole blocks in any."""
+    def one(i, cache: KVCache) -> KVCache:
+        src, dst = copies[i, 0], copies[i, 1]
+        copy = lambda pages: jax.lax.dynamic_update_index_in_dim(pages, pages[src], dst, 0)
+        return dataclasses.replace(cache, k=tuple(map(copy, cache.k)), v=tuple(map(copy, cache.v)))
+    return jax.lax.fori_loop(0, num_copies, one, kv_cache)
+
+
+@jax.jit
+def _read_blocks(kv_cache: KVCache, ids: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+    return [k[ids] for k in kv_cache.k], [v[ids] for v in kv_cache.v]
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
@@ -90,6 +119,7 @@ class ModelRunner:
         self.resolved = resolved
         self.kv_cache = self._new_kv_cache()
         self.step_observers: list = []  # each called with a step's scheduled sequences before it runs (step_profile.py)
+        self.device_seconds = 0.0  # waiting for steps to come back, so far (run_step)
 
     def _new_kv_cache(self) -> KVCache:
         if self.mesh is None:
@@ -112,8 +142,9 @@ class ModelRunner:
 
     @property
     def num_compiles(self) -> int:
-        """Programs compiled so far for the step and the block copies (counts recompiles)."""
-        return step._cache_size() + copy_blocks._cache_size() + _write_blocks._cache_size()
+        """Programs of the step's calls (model, sampler, block copies, swaps) compiled or loaded so far,
+        for any runner of this process (counts recompiles). compiles.count() counts every program."""
+        return sum(f._cache_size() for f in (step, sample_step, copy_blocks, _read_blocks, _write_blocks))
 
     def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
@@ -123,58 +154,92 @@ class ModelRunner:
 
     def host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInput, sampling.SamplingTensors]:
         """The step's host arrays for these sequences: the flat batch and page tables, the sampling tensors."""
-        step_input = build_step_input(scheduled, self.resolved.block_size)
         seqs = [s.seq for s in scheduled]
-        tensors = sampling.make_sampling_tensors(
-            [s.params for s in seqs],
-            [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs],
-            [s.token_ids[: s.num_prompt_tokens] for s in seqs],
-            [s.output_token_ids for s in seqs],
-            self.model_config.eos_token_ids,
-            pad_rows_to=step_input.logits_indices.shape[0])
-        return step_input, tensors
+        return build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets), self._sampling_tensors(
+            [s.params for s in seqs], [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs],
+            [s.token_ids[: s.num_prompt_tokens] for s in seqs], [s.output_token_ids for s in seqs])
+
+    def _sampling_tensors(self, params, seeds, prompt_ids, output_ids) -> sampling.SamplingTensors:
+        return sampling.make_sampling_tensors(
+            params, seeds, prompt_ids, output_ids, self.model_config.eos_token_ids,
+            pad_rows_to=self.resolved.buckets.sample_rows(len(params)), vocab_size=self.model_config.vocab_size,
+            history_width=self.resolved.max_model_len)
 
     def step_args(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict]:
-        """(args, keywords) that `execute` calls `step` with for these sequences: the model's graph, its
-        weights, the KV cache, the step's host arrays and sampling tensors; the attention backend."""
-        return self._step_args(*self.host_inputs(scheduled))
+        """(args, keywords) that `execute` calls `step`, the model call, with for these sequences: the
+        model's graph, its weights, the KV cache, the step's host arrays; the attention backend."""
+        return self._step_args(self.host_inputs(scheduled)[0])
 
-    def _step_args(self, step_input: StepInput, tensors: sampling.SamplingTensors) -> tuple[tuple, dict]:
+    def _step_args(self, step_input: StepInput) -> tuple[tuple, dict]:
         keywords = dict(attn_backend=self.resolved.attention_backend, mesh=self.mesh)
-        return (self.graph, self._weights, self.kv_cache, step_input, tensors), keywords
+        return (self.graph, self._weights, self.kv_cache, step_input), keywords
 
     @distributed.replicated
     def run_step(self, copies: np.ndarray, step_input: StepInput,
                  tensors: sampling.SamplingTensors) -> sampling.SamplerOutput:
-        """Copy blocks (copies: int32 [n, 2] rows of src, dst), then run the step; what it sampled, on the host."""
-        if len(copies):
-            src, dst = copies.T
-            self.kv_cache = copy_blocks(self.kv_cache, pad_to_bucket(src, 0),
-                                        pad_to_bucket(dst, self.resolved.num_blocks))
-        args, keywords = self._step_args(step_input, tensors)
-        sampled, self.kv_cache = step(*args, **keywords)
-        return distributed.to_host(sampled)
+        """Copy blocks (copies: int32 [n, 2] rows of src, dst), then run the step; what it sampled, on the
+        host. Adds to device_seconds the time from the first call until the samples were on the host."""
+        start = time.perf_counter()
+        width = self.resolved.buckets.num_head_rows  # a step makes at most one copy per sequence
+        for i in range(0, len(copies), width):
+            chunk = copies[i : i + width]
+            self.kv_cache = copy_blocks(self.kv_cache, np.pad(chunk, ((0, width - len(chunk)), (0, 0))),
+                                        np.int32(len(chunk)))
+        args, keywords = self._step_args(step_input)
+        hidden, self.kv_cache = step(*args, **keywords)
+        sampled = distributed.to_host(sample_step(self.graph, self._weights, hidden, tensors))
+        self.device_seconds += time.perf_counter() - start
+        return sampled
 
-    # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks.
+    def warm_up(self) -> None:
+        """Make every program a step can run (buckets.py): each model-call shape, each sampler row count
+        with and without penalties, a block copy and a swap each way, all on padding: no token is written,
+        the only block copied is the null block onto itself, swapped-in blocks land nowhere."""
+        buckets = self.resolved.buckets
+        samplers = [self._sampling_tensors([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
+                    for rows in buckets.all_sample_rows()
+                    for params in (SamplingParams(), SamplingParams(repetition_penalty=1.1))]
+        for i, shape in enumerate(buckets.shapes()):
+            self.warm_step(padding_step_input(shape, buckets.num_head_rows), samplers if i == 0 else [])
+        self.run_step(np.zeros((1, 2), np.int32), padding_step_input(buckets.shapes()[0], buckets.num_head_rows),
+                      samplers[0])
+        self.swap_in(self.swap_out([0]), [self.resolved.num_blocks])
+
+    @distributed.replicated
+    def warm_step(self, step_input: StepInput, samplers: list[sampling.SamplingTensors]) -> None:
+        """Run the model call on step_input, then the sampler with each of samplers on its output."""
+        args, keywords = self._step_args(step_input)
+        hidden, self.kv_cache = step(*args, **keywords)
+        jax.block_until_ready([sample_step(self.graph, self._weights, hidden, tensors) for tensors in samplers])
+
+    # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks, a fixed
+    # number of blocks per call.
 
     def swap_out(self, block_ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Each layer's K and V blocks [len(block_ids), ...] in the cache's layout, on the host (the
         leader's, whole, in a group)."""
-        return self.read_blocks(np.asarray(block_ids, np.int32))
+        chunks = [self.read_blocks(pad_ids(block_ids[i : i + SWAP_BLOCKS], SWAP_BLOCKS, 0))
+                  for i in range(0, len(block_ids), SWAP_BLOCKS)]
+        n = len(block_ids)
+        join = lambda layers: [np.concatenate(pages)[:n] for pages in zip(*layers)]
+        return join([k for k, _ in chunks]), join([v for _, v in chunks])
 
     def swap_in(self, saved: tuple[list[np.ndarray], list[np.ndarray]], block_ids: list[int]) -> None:
-        n = len(block_ids)
-        size = bucket(n)
-        pad = lambda pages: np.concatenate([pages, np.zeros((size - n, *pages.shape[1:]), pages.dtype)])
         k, v = saved
-        self.write_blocks(pad_to_bucket(block_ids, self.resolved.num_blocks), tuple(map(pad, k)), tuple(map(pad, v)))
+        for i in range(0, len(block_ids), SWAP_BLOCKS):
+            ids = block_ids[i : i + SWAP_BLOCKS]
+            pad = lambda pages: np.concatenate([pages[i : i + len(ids)],
+                                                np.zeros((SWAP_BLOCKS - len(ids), *pages.shape[1:]), pages.dtype)])
+            self.write_blocks(pad_ids(ids, SWAP_BLOCKS, self.resolved.num_blocks), tuple(map(pad, k)),
+                              tuple(map(pad, v)))
 
     @distributed.replicated
     def read_blocks(self, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """ids: int32 [n] -> each layer's K and V blocks [n, ...], on the host."""
-        return distributed.to_host(([k[ids] for k in self.kv_cache.k], [v[ids] for v in self.kv_cache.v]))
+        """ids: int32 [SWAP_BLOCKS] -> each layer's K and V blocks [SWAP_BLOCKS, ...], on the host."""
+        return distributed.to_host(_read_blocks(self.kv_cache, ids))
 
     @distributed.replicated
     def write_blocks(self, ids: np.ndarray, k: tuple, v: tuple) -> None:
-        """ids: int32 [n], out of range = skip; k[l], v[l]: layer l's blocks [n, ...] (as read_blocks gives them)."""
+        """ids: int32 [SWAP_BLOCKS], out of range = skip; k[l], v[l]: layer l's blocks [SWAP_BLOCKS, ...]
+        (as read_blocks gives them)."""
         self.kv_cache = _write_blocks(self.kv_cache, ids, k, v)

@@ -12,9 +12,10 @@ The host packs the rows' parameters into a `SamplingTensors` pytree (`make_sampl
    draw with the key fold_in(PRNGKey(seed), step), so a seeded row's tokens do not depend on what
    else is in the batch.
 
-Shapes are bucketed (rows padded to `pad_rows_to`, id lists to powers of two) and the few choices
-that change the computation are static fields of the pytree, so one compiled program serves every
-batch of a bucket and an all-greedy batch pays for no sort and no random draw.
+Rows are padded to `pad_rows_to`, the bans are a bit mask over the vocabulary and the penalties'
+history a fixed width, and what a batch needs (a random draw, top-k/top-p, bans, logprobs) is decided
+at run time by conditionals that skip the work nobody asked for. So one compiled program serves every
+batch of a row count, and the only other shape is whether any row has penalties (a history, or none).
 """
 
 import dataclasses
@@ -26,10 +27,7 @@ import numpy as np
 
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
-_STATIC = dict(static=True)
-# Smallest padded widths, so that lists that grow by a token a step rarely change the bucket.
-_MIN_HISTORY_WIDTH = 32
-_MIN_BANNED_WIDTH = 4
+_BITS = 32  # tokens per word of the ban mask
 
 
 @jax.tree_util.register_dataclass
@@ -49,14 +47,17 @@ class SamplingTensors:
     frequency_penalty: jax.Array  # f32 [S]      0 = off
     key_data: jax.Array  # uint32 [S, 2]         threefry words of PRNGKey(seed)
     steps: jax.Array  # int32 [S]                tokens the row has generated so far
-    banned_ids: jax.Array  # int32 [S, B]        ids the row may not sample this step, -1 padded
-    prompt_ids: jax.Array  # int32 [S, P]        -1 padded; P = 0 unless do_penalties
-    output_ids: jax.Array  # int32 [S, O]        -1 padded; O = 0 unless do_penalties
-    all_greedy: bool = dataclasses.field(metadata=_STATIC, default=True)
-    do_top_k_top_p: bool = dataclasses.field(metadata=_STATIC, default=False)
-    do_penalties: bool = dataclasses.field(metadata=_STATIC, default=False)
-    # 0 or MAX_LOGPROBS (capped at the vocabulary); rows asking for fewer slice their share.
-    num_top_logprobs: int = dataclasses.field(metadata=_STATIC, default=0)
+    banned: jax.Array  # uint32 [S, W]           bit t % 32 of word t // 32: t may not be sampled this step
+    history: jax.Array  # int32 [S, H]           prompt ids then output ids, -1 padded; H = 0 unless do_penalties
+    num_prompt_ids: jax.Array  # int32 [S]       how many of a row's history ids are its prompt's
+    all_greedy: jax.Array  # bool []
+    any_banned: jax.Array  # bool []
+    do_top_k_top_p: jax.Array  # bool []         some sampled row has top_k or top_p
+    any_logprobs: jax.Array  # bool []           some row asks for top logprobs
+
+    @property
+    def do_penalties(self) -> bool:
+        return self.history.shape[-1] > 0
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +65,7 @@ class SamplingTensors:
 class SamplerOutput:
     tokens: jax.Array  # int32 [S]
     logprobs: jax.Array  # f32 [S]             raw logprob of each chosen token
-    top_logprobs: jax.Array  # f32 [S, K]      K = the tensors' num_top_logprobs, largest first
+    top_logprobs: jax.Array  # f32 [S, K]      K = min(MAX_LOGPROBS, V), largest first; 0 unless some row asked
     top_ids: jax.Array  # int32 [S, K]
 
 
@@ -76,6 +77,8 @@ def make_sampling_tensors(
     eos_ids: Sequence[int],
     *,
     pad_rows_to: int,
+    vocab_size: int,
+    history_width: int,
 ) -> SamplingTensors:
     """Pack one step's rows for `sample`.
 
@@ -86,6 +89,9 @@ def make_sampling_tensors(
     eos_ids: the model's end-of-sequence ids, banned with stop_token_ids until min_tokens (unless
         ignore_eos).
     pad_rows_to: S, the batch bucket; rows past len(params) are greedy padding.
+    vocab_size: the logits' width (at least), for the ban mask.
+    history_width: H when some row has penalties, at least any row's prompt and output together (the
+        engine's context length, so that it is one shape).
     """
     num = len(params)
     if not len(seeds) == len(prompt_ids) == len(output_ids) == num:
@@ -105,14 +111,20 @@ def make_sampling_tensors(
     key_data = np.zeros((pad_rows_to, 2), np.uint32)
     key_data[:num, 0] = [s >> 32 for s in seeds64]
     key_data[:num, 1] = [s & 0xFFFFFFFF for s in seeds64]
-    banned = [_banned_ids(p, len(out), eos_ids) for p, out in zip(params, output_ids)]
+    banned = np.zeros((pad_rows_to, -(-vocab_size // _BITS)), np.uint32)
+    for row, (p, out) in enumerate(zip(params, output_ids)):
+        ids = np.asarray(_banned_ids(p, len(out), eos_ids), np.int64)
+        ids = ids[ids < vocab_size]  # a stop id the model never produces needs no ban
+        np.bitwise_or.at(banned[row], ids // _BITS, (1 << (ids % _BITS)).astype(np.uint32))
     sampled = [p for p in params if not p.greedy]
     do_penalties = any(p.uses_penalties for p in params)
+    history = np.full((pad_rows_to, history_width if do_penalties else 0), -1, np.int32)
     if do_penalties:
-        prompts = _pad_ids(prompt_ids, pad_rows_to, _MIN_HISTORY_WIDTH)
-        outputs = _pad_ids(output_ids, pad_rows_to, _MIN_HISTORY_WIDTH)
-    else:
-        prompts = outputs = np.full((pad_rows_to, 0), -1, np.int32)
+        for row, (prompt, out) in enumerate(zip(prompt_ids, output_ids)):
+            if len(prompt) + len(out) > history_width:
+                raise ValueError(f"row {row} has {len(prompt) + len(out)} tokens, over history_width {history_width}")
+            history[row, : len(prompt)] = prompt
+            history[row, len(prompt) : len(prompt) + len(out)] = out
     return SamplingTensors(
         temperature=column([0.0 if p.greedy else p.temperature for p in params], 0.0, np.float32),
         top_k=column([max(p.top_k, 0) for p in params], 0, np.int32),
@@ -123,13 +135,13 @@ def make_sampling_tensors(
         frequency_penalty=column([p.frequency_penalty for p in params], 0.0, np.float32),
         key_data=key_data,
         steps=column([len(out) for out in output_ids], 0, np.int32),
-        banned_ids=_pad_ids(banned, pad_rows_to, _MIN_BANNED_WIDTH),
-        prompt_ids=prompts,
-        output_ids=outputs,
-        all_greedy=not sampled,
-        do_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
-        do_penalties=do_penalties,
-        num_top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
+        banned=banned,
+        history=history,
+        num_prompt_ids=column([len(prompt) for prompt in prompt_ids], 0, np.int32),
+        all_greedy=np.bool_(not sampled),
+        any_banned=np.bool_(banned.any()),
+        do_top_k_top_p=np.bool_(any(p.top_k > 0 or p.top_p < 1 for p in sampled)),
+        any_logprobs=np.bool_(any(p.logprobs for p in params)),
     )
 
 
@@ -139,41 +151,43 @@ def _banned_ids(p: SamplingParams, generated: int, eos_ids: Sequence[int]) -> tu
     return p.stop_token_ids + (() if p.ignore_eos else tuple(eos_ids))
 
 
-def _pad_ids(rows: Sequence[Sequence[int]], num_rows: int, min_width: int) -> np.ndarray:
-    """int32 [num_rows, W]: row i holds rows[i] then -1; W is a power of two, at least min_width."""
-    longest = max(map(len, rows), default=0)
-    width = max(min_width, 1 << max(longest - 1, 0).bit_length())
-    out = np.full((num_rows, width), -1, np.int32)
-    for i, ids in enumerate(rows):
-        out[i, : len(ids)] = ids
-    return out
-
-
 @jax.jit
 def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     """logits: float [S, V] (any float dtype, computed in f32), one row per row of `t`.
 
-    Recompiles only when S, V, the padded widths of `t` or its static flags change.
+    Compiles once per S, V, ban-mask width and history width; top logprobs are always
+    min(MAX_LOGPROBS, V) wide, filled only when some row asks for them.
     """
-    num_rows = t.temperature.shape[0]
-    if logits.shape[0] != num_rows:
-        raise ValueError(f"logits have {logits.shape[0]} rows, the sampling tensors {num_rows}")
+    num_rows, vocab = logits.shape
+    if num_rows != t.temperature.shape[0]:
+        raise ValueError(f"logits have {num_rows} rows, the sampling tensors {t.temperature.shape[0]}")
+    if t.banned.shape[1] * _BITS < vocab:
+        raise ValueError(f"the ban mask covers {t.banned.shape[1] * _BITS} tokens, the logits {vocab}")
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     if t.do_penalties:
         logits = apply_penalties(logits, t)
-    rows, cols = _scatter_index(t.banned_ids, logits.shape[-1])
-    logits = logits.at[rows, cols].set(-jnp.inf, mode="drop")
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not t.all_greedy:
-        tokens = jnp.where(t.temperature == 0, tokens, _random_tokens(logits, t))
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(t.num_top_logprobs, logits.shape[-1]))
+    logits = jax.lax.cond(t.any_banned, _ban, lambda x, _: x, logits, t.banned)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = jax.lax.cond(t.all_greedy, lambda: greedy,
+                          lambda: jnp.where(t.temperature == 0, greedy, _random_tokens(logits, t)))
+    k = min(MAX_LOGPROBS, vocab)
+    top_logprobs, top_ids = jax.lax.cond(
+        t.any_logprobs, lambda: tuple(jax.lax.top_k(logprobs, k)),
+        lambda: (jnp.zeros((num_rows, k), jnp.float32), jnp.zeros((num_rows, k), jnp.int32)))
     return SamplerOutput(
         tokens=tokens,
         logprobs=jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0],
         top_logprobs=top_logprobs,
         top_ids=top_ids.astype(jnp.int32),
     )
+
+
+def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    """logits: f32 [S, V]; banned: uint32 [S, W] bit mask -> logits with the banned tokens -inf."""
+    tokens = jnp.arange(logits.shape[-1])
+    bits = (banned[:, tokens // _BITS] >> (tokens % _BITS).astype(jnp.uint32)) & 1
+    return jnp.where(bits == 1, -jnp.inf, logits)
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -184,9 +198,10 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     only.
     """
     vocab = logits.shape[-1]
-    output_counts = _bin_counts(t.output_ids, vocab)
+    in_output_part = jnp.arange(t.history.shape[1])[None, :] >= t.num_prompt_ids[:, None]
+    output_counts = _bin_counts(jnp.where(in_output_part, t.history, -1), vocab)
     in_output = output_counts > 0
-    seen = in_output | (_bin_counts(t.prompt_ids, vocab) > 0)
+    seen = in_output | (_bin_counts(t.history, vocab) > 0)
     repetition = jnp.where(seen, t.repetition_penalty[:, None], 1.0)
     logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
     logits = logits - t.frequency_penalty[:, None] * output_counts
@@ -195,21 +210,15 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 def _bin_counts(ids: jax.Array, vocab: int) -> jax.Array:
     """ids: int32 [S, L], -1 padded -> int32 [S, vocab], occurrences of each id in its row."""
-    rows, cols = _scatter_index(ids, vocab)
-    return jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, cols].add(1, mode="drop")
-
-
-def _scatter_index(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
-    """Row and column indices into [S, vocab] for ids: int32 [S, L], -1 padded."""
     # -1 would wrap to the last token; out of range instead, for the scatter's mode="drop" to skip.
-    return jnp.arange(ids.shape[0])[:, None], jnp.where(ids < 0, vocab, ids)
+    rows, cols = jnp.arange(ids.shape[0])[:, None], jnp.where(ids < 0, vocab, ids)
+    return jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, cols].add(1, mode="drop")
 
 
 def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """logits: f32 [S, V], penalised -> int32 [S], a draw per row (greedy rows' are discarded)."""
     scaled = logits / jnp.where(t.temperature == 0, 1.0, t.temperature)[:, None]
-    if t.do_top_k_top_p:
-        scaled = _mask_top_k_top_p(scaled, t.top_k, t.top_p)
+    scaled = jax.lax.cond(t.do_top_k_top_p, _mask_top_k_top_p, lambda x, *_: x, scaled, t.top_k, t.top_p)
     # p < min_p * p_max  <=>  logit - max_logit < log(min_p), so no softmax; min_p 0 gives -inf.
     gap = scaled - jnp.max(scaled, axis=-1, keepdims=True)
     scaled = jnp.where(gap < jnp.log(t.min_p)[:, None], -jnp.inf, scaled)

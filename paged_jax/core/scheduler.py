@@ -9,6 +9,14 @@ Each step the scheduler
    max_num_seqs and the token budget allow (the queue's head waits rather than being overtaken, so
    under FCFS nothing starves).
 
+A step schedules at most max_num_seqs sequences (forks of n > 1 may make more run: the rest wait a
+step). Prompts are held back for latency (with chunked prefill): while sequences decode and no
+backlog has built up, a step carries prompt tokens up to long_prefill_token_threshold tokens in all
+(at least 3 per decode, so that prompts keep coming in as fast as requests finish), so that a decode
+waits for a short step and not for a whole long prompt; and a prompt that cannot finish in this step
+is admitted only while fewer than max_num_partial_prefills prompts are part-way through theirs. Each
+part-way prompt still gets the prompt tokens first in its turn, so it finishes.
+
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
 back into fresh blocks.
@@ -29,6 +37,7 @@ from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.policy import sort_key
 from paged_jax.core.sequence import Sequence, Status
+from paged_jax.core.step_budget import StepBudget, prompt_cap
 
 
 class KVSwapper(Protocol):
@@ -87,10 +96,11 @@ class Scheduler:
             # Stable sorts: ties keep the order of events (forks behind their parent, preempted first).
             self.waiting = collections.deque(sorted(self.waiting, key=self._key))
             self.running.sort(key=self._key)
-        budget = self.config.max_num_batched_tokens
+        decoding = sum(s.num_computable_tokens - s.num_computed_tokens == 1 for s in self.running)
+        budget = StepBudget(self.config.max_num_batched_tokens, prompt_cap(self.config, decoding, len(self.waiting)))
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0 and len(out.scheduled) < self.config.max_num_seqs:
             seq = self.running[i]
             num_new = self._num_new_tokens(seq, budget)
             if num_new == 0:
@@ -99,21 +109,21 @@ class Scheduler:
             if not self._reserve(seq, num_new, out):
                 break  # seq itself was preempted
             self._schedule(seq, num_new, out)
-            budget -= num_new
+            budget.spend(seq, num_new)
             i += 1
 
         # Nobody is admitted on a step that preempted: the pool is short, and admitting would only
         # preempt again.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget.tokens > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = self._admit(seq, budget)
+            num_new = self._admit(seq, budget, out)
             if num_new == 0:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._schedule(seq, num_new, out)
-            budget -= num_new
+            budget.spend(seq, num_new)
 
         if not out.scheduled and self.waiting and self.running:
             # All that runs are beams holding their blocks until their siblings' proposals are in,
@@ -131,12 +141,19 @@ class Scheduler:
         seq.num_cached_blocks = self.blocks.cache_full_blocks(
             seq.token_ids, seq.block_ids, seq.num_cached_blocks, seq.num_computed_tokens + num_new)
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+    def _num_new_tokens(self, seq: Sequence, budget: StepBudget) -> int:
         """Tokens to compute for seq this step, 0 if it cannot run now."""
         remaining = seq.num_computable_tokens - seq.num_computed_tokens
-        if remaining <= budget:
+        allowed = budget.for_prompt() if remaining > 1 else budget.tokens
+        if remaining <= allowed:
             return remaining
-        return budget if self.config.enable_chunked_prefill else 0
+        return allowed if self.config.enable_chunked_prefill else 0
+
+    def _num_partial_prefills(self, out: SchedulerOutput) -> int:
+        """Running prompts that will be part-way through their prefill after this step, as scheduled so far."""
+        new = {id(s.seq): s.num_new_tokens for s in out.scheduled}
+        return sum(0 < seq.num_computed_tokens + new[id(seq)] < seq.num_computable_tokens if id(seq) in new
+                   else 0 < seq.num_computed_tokens < seq.num_computable_tokens - 1 for seq in self.running)
 
     def _reserve(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Give seq the blocks its num_new more tokens land in: those it lacks, and a private copy of
@@ -166,7 +183,7 @@ class Scheduler:
         index = seq.num_computed_tokens // self.blocks.block_size
         return index if self.blocks.is_shared(seq.block_ids[index]) else None
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _admit(self, seq: Sequence, budget: StepBudget, out: SchedulerOutput) -> int:
         """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
         if seq.swapped_kv is not None:
             return self._swap_in(seq, budget)
@@ -175,7 +192,9 @@ class Scheduler:
         seq.num_computed_tokens = num_computed
         num_new = self._num_new_tokens(seq, budget)
         need = self._blocks_for(num_computed + num_new) - len(cached)
-        if num_new == 0 or not self.blocks.can_allocate(need, keep=cached):
+        partial = num_computed + num_new < seq.num_computable_tokens
+        if (num_new == 0 or (partial and self._num_partial_prefills(out) >= self.config.max_num_partial_prefills)
+                or not self.blocks.can_allocate(need, keep=cached)):
             seq.num_computed_tokens = 0
             return 0
         self.blocks.share(cached)
@@ -184,7 +203,7 @@ class Scheduler:
         seq.num_prefix_hit_tokens = max(seq.num_prefix_hit_tokens, num_computed)
         return num_new
 
-    def _swap_in(self, seq: Sequence, budget: int) -> int:
+    def _swap_in(self, seq: Sequence, budget: StepBudget) -> int:
         num_blocks = self._blocks_for(seq.num_computed_tokens)
         num_new = self._num_new_tokens(seq, budget)
         need = self._blocks_for(seq.num_computed_tokens + num_new)
@@ -252,3 +271,4 @@ class Scheduler:
         seq.block_ids = []
         seq.swapped_kv = None
         seq.status = Status.FINISHED
+

@@ -5,7 +5,6 @@ program's HLO text: instruction names, opcodes, and op_name metadata carrying th
 import collections
 import re
 
-from paged_jax.core import model_runner
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?\s([\w\-]+)\(")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -41,12 +40,13 @@ def classify_hlo(text: str) -> dict[str, str]:
     return {name: part(name) for name in opcode}
 
 
-def compiled_step_text(abstract) -> str:
-    """The optimized HLO of the engine's step (model_runner.step) for `abstract` = (graph, arrays as
-    jax.ShapeDtypeStruct, keywords): what a traced run's op names point into."""
+def compiled_text(program, abstract, *, scoped: bool) -> str:
+    """The optimized HLO of one of the step's jitted programs (model_runner.step, sample_step) for
+    `abstract` = (graph, arrays as jax.ShapeDtypeStruct, keywords): what a traced run's op names point
+    into. scoped: the program holds the model's named scopes, checked to be there."""
     graph, arrays, keywords = abstract
-    text = model_runner.step.lower(graph, *arrays, **keywords).compile().as_text()
-    if "kv_write" not in text or "attention" not in text:
+    text = program.lower(graph, *arrays, **keywords).compile().as_text()
+    if scoped and ("kv_write" not in text or "attention" not in text):
         # The persistent compilation cache's key leaves out op metadata: a program cached before the
         # model's named scopes were added comes back without them.
         raise RuntimeError("the compiled step lacks the model's named scopes 'attention' and 'kv_write': the "

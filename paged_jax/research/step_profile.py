@@ -16,7 +16,8 @@ the trace gives each op's seconds in each step (trace_ops.py), split evenly wher
 threads at once, so the parts add up to the step's wall time.
 
 Steps are grouped: prefill-carrying steps by their token bucket T, decode-only steps by their
-sequence bucket S (buckets.py). Prefill is rated in GFLOP/s (model FLOPs of the step's real tokens),
+sampled rows' bucket S (buckets.py). A step is two programs (the model call, then the head and the
+sampler), both read from the trace. Prefill is rated in GFLOP/s (model FLOPs of the step's real tokens),
 decode in GB/s (weights + the K/V the step reads), against a matmul peak and a memory bandwidth
 measured in the same process (machine_peaks.py). The trace slows steps a little: the profiled run's tokens/s is reported
 beside the profile so that the distortion shows.
@@ -31,11 +32,13 @@ import time
 import jax
 import jax.numpy as jnp
 
-from paged_jax.core.buckets import step_shape
+from paged_jax.core import model_runner
+from paged_jax.core.buckets import MIN_TOKENS, bucket
 from paged_jax.research import hlo_parts, machine_peaks, trace_ops
 
 PARTS = ("matmul", "attention", "kv_write", "other", "host")
-_STEP_MODULE = "jit_step"
+# The step's two programs (core/model_runner.py): the model call, then the head and the sampler.
+_STEP_MODULES = {"jit_step": model_runner.step, "jit_sample_step": model_runner.sample_step}
 
 
 @dataclasses.dataclass
@@ -46,7 +49,7 @@ class _Step:
     seqs: int
     context_tokens: int  # sum over rows of the context each attends over
     attention_pairs: int  # sum over new tokens of the context they attend over
-    signature: object  # what the step's program was compiled for
+    signature: dict  # what each of the step's programs was compiled for, by module
     wall_s: float = 0.0
 
 
@@ -69,20 +72,28 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
     inside a profiled step would count as its time."""
     runner = engine.runner
     steps: list[_Step] = []
-    programs: dict[str, tuple] = {}
+    programs: dict[str, tuple] = {}  # signature -> (module, abstract arguments)
+    hidden_of: dict[str, jax.ShapeDtypeStruct] = {}  # the model call's output, by its signature
 
     def record(scheduled):
         args, keywords = runner.step_args(scheduled)
         abstract = _abstract(args, keywords)
         key = _signature_key(abstract)
-        programs.setdefault(key, abstract)
+        if key not in programs:
+            out = model_runner.step.trace(abstract[0], *abstract[1], **keywords).lower().out_info[0]
+            programs[key] = ("jit_step", abstract)
+            hidden_of[key] = jax.ShapeDtypeStruct(out.shape, out.dtype)
+        tensors = runner.host_inputs(scheduled)[1]
+        sample = _abstract((runner.graph, runner._weights, hidden_of[key], tensors), {})
+        sample_key = _signature_key(sample)
+        programs.setdefault(sample_key, ("jit_sample_step", sample))
         new = [s.num_new_tokens for s in scheduled]
         contexts = [s.seq.num_computed_tokens + n for s, n in zip(scheduled, new)]
-        shape = step_shape(sum(new), len(scheduled), max(len(s.seq.block_ids) for s in scheduled), max(new))
-        prefill = shape.max_query_len > 1
+        prefill = max(new) > 1
         pairs = sum(c * n - n * (n - 1) // 2 for c, n in zip(contexts, new))
-        steps.append(_Step("prefill" if prefill else "decode", shape.num_tokens if prefill else shape.num_seqs,
-                           sum(new), len(scheduled), sum(contexts), pairs, key))
+        group = bucket(sum(new), MIN_TOKENS) if prefill else runner.resolved.buckets.sample_rows(len(scheduled))
+        steps.append(_Step("prefill" if prefill else "decode", group, sum(new), len(scheduled), sum(contexts),
+                           pairs, {"jit_step": key, "jit_sample_step": sample_key}))
 
     engine.blocks.reset_prefix_cache()
     for i, r in enumerate(requests):
@@ -115,23 +126,24 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
     ran = [i for i, (_, model) in enumerate(windows) if model]
     for step, i in zip(steps, ran, strict=True):
         step.wall_s = windows[i][0]
-    hlo = {key: hlo_parts.classify_hlo(hlo_parts.compiled_step_text(abstract)) for key, abstract in programs.items()}
-    per_step = [_assign(parts[i], hlo[step.signature]) for step, i in zip(steps, ran)]
+    hlo = {key: hlo_parts.classify_hlo(hlo_parts.compiled_text(_STEP_MODULES[module], abstract,
+                                                               scoped=module == "jit_step"))
+           for key, (module, abstract) in programs.items()}
+    per_step = [_assign(parts[i], {module: hlo[key] for module, key in step.signature.items()})
+                for step, i in zip(steps, ran)]
     matmul_peak = matmul_peak or machine_peaks.matmul_peak_gflops()
     bandwidth = bandwidth or machine_peaks.memory_bandwidth_gbs()
     return _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak, bandwidth)
 
 
-def _assign(seconds: dict[tuple[str, str], float], parts_of: dict[str, str]) -> dict[str, float]:
-    """Per-op seconds -> per-part seconds, with the step program's classification."""
+def _assign(seconds: dict[tuple[str, str], float], parts_of: dict[str, dict[str, str]]) -> dict[str, float]:
+    """Per-op seconds -> per-part seconds, with the step programs' classifications (by module)."""
     out = dict.fromkeys(PARTS, 0.0)
     for (module, op), s in seconds.items():
         if not module:
             out["host"] += s
-        elif module == _STEP_MODULE:
-            out[parts_of.get(op, "other")] += s
         else:
-            out["other"] += s
+            out[parts_of.get(module, {}).get(op, "other")] += s
     return out
 
 

@@ -13,6 +13,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from paged_jax.core import compiles, warmup
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
@@ -27,11 +28,14 @@ __all__ = ["AsyncLLM", "AsyncLLMEngine", "EngineDeadError", "EngineStepError", "
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, max_num_queued_reqs: int | None = None,
-                 max_queue_time: float | None = None, stat_loggers: Sequence[StatLogger] = ()):
+                 max_queue_time: float | None = None, stat_loggers: Sequence[StatLogger] = (),
+                 warm_up: bool = True):
         """max_num_queued_reqs: how many requests may wait for admission; add_request raises
         QueueFullError beyond it (None: no limit). A request counts as waiting once the requests ahead
         of it fill max_num_seqs, so a burst into an idle engine is not refused. max_queue_time: seconds
-        a request may wait for its first admission; then it ends with finish_reason "queue_timeout"."""
+        a request may wait for its first admission; then it ends with finish_reason "queue_timeout".
+        warm_up: the loop first makes every program a step can run (core/warmup.py) and is ready after;
+        requests that come sooner wait for it."""
         if max_num_queued_reqs is not None and max_num_queued_reqs < 0:
             raise ValueError(f"max_num_queued_reqs must be >= 0, got {max_num_queued_reqs}")
         if max_queue_time is not None and max_queue_time <= 0:
@@ -39,7 +43,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.limits: EngineLimits = engine.limits
         self.tokenizer = engine.tokenizer
-        self._loop = EngineLoop(engine, max_num_queued_reqs, max_queue_time, stat_loggers)
+        self._loop = EngineLoop(engine, max_num_queued_reqs, max_queue_time, stat_loggers, warm_up)
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m", *, max_num_queued_reqs: int | None = None,
@@ -50,6 +54,11 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._loop.thread.is_alive() and not self._loop.stopping
+
+    @property
+    def is_ready(self) -> bool:
+        """Running, and warmed up: no request will meet a compile."""
+        return self._loop.warmed.is_set() and self.is_running
 
     @property
     def scheduler_stats(self) -> SchedulerStats:

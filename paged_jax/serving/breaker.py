@@ -17,7 +17,6 @@ import math
 import threading
 import time
 
-from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -83,6 +82,13 @@ class CircuitBreaker(StatLogger):
         """Run a probe (or join the one running); a success closes the breaker."""
         await asyncio.shield(self._start_probe())
 
+    async def check_ready(self) -> None:
+        """For the readiness route: probe if open; still open, a 503 that says why."""
+        if self.open_reason is not None:
+            await self.probe()
+        if self.open_reason is not None:
+            raise APIError(503, f"not ready: {self.open_reason}", type="server_error", code="circuit_open")
+
     def probe_soon(self) -> None:
         """Start a probe in the background unless one started less than probe_interval seconds ago."""
         if time.monotonic() - self._last_probe >= self.probe_interval:
@@ -104,21 +110,6 @@ class CircuitBreaker(StatLogger):
             return
         if out.error is None:
             self._close()
-
-
-def readiness_router(breaker: CircuitBreaker) -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/ready", responses={200: {"description": "taking requests"}, 503: {"description": "refusing them"}})
-    async def ready():
-        if breaker.open_reason is not None:
-            await breaker.probe()
-        reason = breaker.open_reason
-        if reason is not None:
-            raise APIError(503, f"not ready: {reason}", type="server_error", code="circuit_open")
-        return {"status": "ready"}
-
-    return router
 
 
 class FailFast:

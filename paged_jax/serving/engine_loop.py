@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from paged_jax.core import warmup
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
@@ -80,8 +81,8 @@ class _Live:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, max_num_queued_reqs: int | None, max_queue_time: float | None,
-                 stat_loggers: Sequence[StatLogger]):
-        """max_num_queued_reqs, max_queue_time: see AsyncLLMEngine."""
+                 stat_loggers: Sequence[StatLogger], warm_up: bool):
+        """max_num_queued_reqs, max_queue_time, warm_up: see AsyncLLMEngine."""
         self.engine = engine
         self.max_num_queued_reqs = max_num_queued_reqs
         self.max_queue_time = max_queue_time
@@ -96,6 +97,8 @@ class EngineLoop:
         self._live: dict[str, _Live] = {}  # loop thread only
         self._iteration = IterationStats()
         self.stopping = False
+        self._warm_up = warm_up
+        self.warmed = threading.Event()
         self._engine_stats = engine.stats()
         self.scheduler_stats: SchedulerStats = self._scheduler_stats()
         self.thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
@@ -139,6 +142,10 @@ class EngineLoop:
     def _run(self) -> None:
         idle_wait = 0
         try:
+            if self._warm_up:
+                warmup.warm_up(self.engine)
+                self._publish()  # the warm-up's programs, counted before anything else runs
+            self.warmed.set()
             while self._take_commands(idle_wait if self.engine.has_unfinished_requests() else None):
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -221,6 +228,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         start = time.monotonic()
+        device_before = self._engine_stats.device_seconds
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -244,6 +252,8 @@ class EngineLoop:
                 reasons = [c.finish_reason for c in out.outputs]
                 it.finished.append(live.finished("error" if "error" in reasons else reasons[0], now))
         self._post(posts)
+        it.device_time = self.engine.stats().device_seconds - device_before
+        it.host_time = time.monotonic() - start - it.device_time
 
     def _fail_all(self, error: Exception) -> None:
         """The step raised: end every request in flight with the error, and keep serving."""

@@ -1,6 +1,6 @@
 """Prometheus metrics of a serving engine: vLLM's names under the prefix `paged_jax:`, so a vLLM
-dashboard needs only the prefix changed; metrics vLLM lacks (rejections, timeouts, compiles, step time,
-KV blocks by state, the attention backend) take names in the same style.
+dashboard needs only the prefix changed; metrics vLLM lacks (rejections, timeouts, compiles, step time
+and its host and device parts, KV blocks by state, the attention backend) take names in the same style.
 
 Everything carries a `model_name` label, as vLLM's do. Recording happens on the engine loop's thread
 (`record`, a StatLogger) and on the server's (`reject`); prometheus_client's collectors are thread-safe.
@@ -18,6 +18,9 @@ REJECT_CAUSES = ("queue_full", "too_long", "bad_params", "unauthorized", "not_fo
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# The parts of a step: a host's share is a few milliseconds.
+_STEP_PART_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1,
+                      0.25, 0.5, 1.0, 2.5, 5.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0)
 
@@ -62,7 +65,8 @@ class PrometheusMetrics(StatLogger):
         self.preemptions = make(Counter, "num_preemptions", "Preemptions of running sequences.")
         self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = make(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.compiles = make(Counter, "num_compiles", "XLA programs compiled for engine steps and block copies.")
+        self.compiles = make(Counter, "num_compiles", "XLA programs compiled or loaded from the persistent cache in "
+                             "this process (after warm-up: none).")
         # The engine keeps these as running totals; the counters take the increments.
         self._engine_counters = ((self.preemptions, "num_preemptions"), (self.prefix_queries, "prefix_cache_queries"),
                                  (self.prefix_hits, "prefix_cache_hits"), (self.compiles, "num_compiles"))
@@ -70,6 +74,12 @@ class PrometheusMetrics(StatLogger):
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
         self.step_time = make(Histogram, "engine_step_time_seconds", "Wall time of one engine step.",
                               buckets=_LATENCY_BUCKETS)
+        self.step_device_time = make(Histogram, "engine_step_device_seconds",
+                                     "Time one engine step waits for the device: from its first call until its "
+                                     "samples are on the host.", buckets=_STEP_PART_BUCKETS)
+        self.step_host_time = make(Histogram, "engine_step_host_seconds",
+                                   "The host's own time in one engine step: scheduling, building the batch, "
+                                   "building the outputs, handing them to the event loop.", buckets=_STEP_PART_BUCKETS)
         self.iteration_tokens = make(Histogram, "iteration_tokens_total", "Tokens run through the model per step.",
                                      buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
         make(Gauge, "cache_config_info", "The KV cache's configuration (value 1).",
@@ -113,6 +123,8 @@ class PrometheusMetrics(StatLogger):
 
         if iteration.step_time is not None:
             self.step_time.observe(iteration.step_time)
+            self.step_device_time.observe(iteration.device_time)
+            self.step_host_time.observe(iteration.host_time)
             self.iteration_tokens.observe(iteration.num_batched_tokens)
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)

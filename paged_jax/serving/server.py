@@ -2,16 +2,17 @@
 
     app = build_app(LLMEngine.from_pretrained("smollm2-135m"), ServerConfig(served_model_name="smollm2-135m"))
 
-POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics,
-/version, and guardrails.py's /ready and /dashboard. The engine loop starts with the app (its lifespan)
-and stops with it. Every error answers with OpenAI's error body, so the official client raises its
-typed exceptions.
+POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health, /ready,
+/metrics, /version, and guardrails.py's /dashboard. The engine loop starts with the app (its lifespan)
+and stops with it; it warms up
+first (core/warmup.py): /health answers 200 while the loop runs (liveness), /ready once the warm-up is
+done (readiness), and requests sent sooner wait for it. Every error answers with OpenAI's error body,
+so the official client raises its typed exceptions.
 """
 
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import importlib.metadata
 import logging
 from collections.abc import Awaitable
@@ -28,6 +29,7 @@ from paged_jax.serving.dashboard import PATHS as DASHBOARD_PATHS
 from paged_jax.serving.guardrails import add_guardrails
 from paged_jax.core.engine import LLMEngine
 from paged_jax.serving.metrics import PrometheusMetrics
+from paged_jax.serving.middleware import ApiKey, BodyLimit
 from paged_jax.serving.openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                        ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
@@ -94,12 +96,12 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="paged-jax", version=VERSION, lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions over the paged-jax engine.")
-    app.add_middleware(_BodyLimit, max_bytes=config.max_request_bytes, on_reject=lambda: metrics.reject("body_too_large"))
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, on_reject=lambda: metrics.reject("body_too_large"))
     guardrails = add_guardrails(app, registry, config, metrics)
     protected = []
     if config.api_key:
         # Checked first, before a body is read; the dependency only documents the scheme in /openapi.json.
-        app.add_middleware(_ApiKey, key=config.api_key, on_reject=lambda: metrics.reject("unauthorized"))
+        app.add_middleware(ApiKey, key=config.api_key, passed=DASHBOARD_PATHS, on_reject=lambda: metrics.reject("unauthorized"))
         protected = [Security(HTTPBearer(auto_error=False, description="the server's --api-key"))]
     _add_error_handlers(app, metrics)
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429, 500, 503)}
@@ -132,12 +134,20 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=config.served_model_name, root=config.model or config.served_model_name,
                                          max_model_len=engine.resolved.max_model_len)])
 
-    @app.get("/health", response_class=Response,
-             responses={200: {"description": "the engine loop runs (an empty body)"}, 503: {"model": ErrorResponse}})
+    probe = {200: {"description": "yes (an empty body)"}, 503: {"model": ErrorResponse}}
+
+    @app.get("/health", response_class=Response, responses=probe, summary="Liveness: the engine loop runs")
     async def health(request: Request):
-        if not request.app.state.engine.is_running:
-            raise APIError(503, "the engine loop is not running", type="server_error", code="engine_dead")
-        return Response(status_code=200)
+        return _probe(request.app.state.engine.is_running, "the engine loop is not running", "engine_dead")
+
+    @app.get("/ready", response_class=Response, responses=probe,
+             summary="Readiness: warmed up, so that no request meets a compile")
+    async def ready(request: Request):
+        engine = request.app.state.engine
+        # The breaker speaks for a dead loop too (it opens then); a live one must have warmed up.
+        await guardrails.breaker.check_ready()
+        return _probe(engine.is_ready, "warming up: compiling the engine's step shapes" if engine.is_running
+                      else "the engine loop is not running", "warming_up" if engine.is_running else "engine_dead")
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
@@ -167,6 +177,12 @@ class EventStreamResponse(StreamingResponse):
 
 async def _now(fn, *args):
     return fn(*args)
+
+
+def _probe(ok: bool, why: str, code: str) -> Response:
+    if not ok:
+        raise APIError(503, why, type="server_error", code=code)
+    return Response(status_code=200)
 
 
 async def _answer(request: Request, work: Awaitable):
@@ -258,67 +274,3 @@ def _validation_error(error: RequestValidationError) -> APIError:
                                           for e in error.errors()) else "invalid_value"
     return APIError(400, "; ".join(problems) or "invalid request", param=params[0] if params else None, code=code,
                     cause="bad_params")
-
-
-class _ApiKey:
-    """Refuses requests without `Authorization: Bearer <key>` with 401, except on the open paths."""
-
-    OPEN = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
-                      "/redoc"})
-    # The dashboard checks the key itself, taking it from a query parameter or cookie too: a browser's
-    # EventSource cannot send the header.
-    PASSED = OPEN | DASHBOARD_PATHS
-
-    def __init__(self, app, key: str, on_reject):
-        self.app, self.key, self.on_reject = app, key.encode(), on_reject
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.PASSED:
-            return await self.app(scope, receive, send)
-        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
-            return await self.app(scope, receive, send)
-        self.on_reject()
-        error = APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
-                         code="invalid_api_key")
-        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-
-
-class _BodyLimit:
-    """Refuses bodies over max_bytes with 413, before anything parses them (a declared Content-Length
-    is refused unread; a chunked body is read up to the limit)."""
-
-    def __init__(self, app, max_bytes: int, on_reject):
-        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(scope, receive, send)
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                return await self._refuse(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope, receive, send):
-        self.on_reject()
-        error = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes",
-                         code="request_too_large")
-        await JSONResponse(error.body(), status_code=413)(scope, receive, send)

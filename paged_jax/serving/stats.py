@@ -8,6 +8,7 @@ engine keeps them; a logger that exports increments takes differences.
 
 import dataclasses
 
+from paged_jax.core import compiles
 from paged_jax.core.engine_stats import EngineStats
 from paged_jax.core.outputs import RequestOutput
 
@@ -22,7 +23,7 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (whole blocks)
     prefix_cache_hits: int  # of those, tokens found
-    num_compiles: int
+    num_compiles: int  # every XLA program compiled or loaded in the process (core/compiles.py)
     num_batched_tokens: int  # tokens run through the model
 
     @property
@@ -50,6 +51,10 @@ class IterationStats:
     """Filled in during one loop iteration; step_time is None when no step ran (only adds, aborts)."""
 
     step_time: float | None = None
+    # Of the iteration's time (its step, and handing the outputs over): waiting for the device (from
+    # the step's first call until its samples were on the host), and the rest, the host's own work.
+    device_time: float | None = None
+    host_time: float | None = None
     num_batched_tokens: int = 0
     num_prompt_tokens: int = 0  # prompts whose first token came in this iteration
     num_generation_tokens: int = 0
@@ -75,7 +80,7 @@ def scheduler_stats(stats: EngineStats, num_queued: int) -> SchedulerStats:
         num_preemptions=stats.num_preemptions,
         prefix_cache_queries=stats.prefix_cache_queried_blocks * stats.block_size,
         prefix_cache_hits=stats.prefix_cache_hit_blocks * stats.block_size,
-        num_compiles=stats.num_compiles, num_batched_tokens=stats.num_batched_tokens)
+        num_compiles=compiles.count(), num_batched_tokens=stats.num_batched_tokens)
 
 
 @dataclasses.dataclass(eq=False)

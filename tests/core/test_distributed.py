@@ -29,7 +29,7 @@ RUNS = {"kv2-tp4": "kv2-tp1", "kv2-tp4-swap": "kv2-tp1-swap"}  # run of the grou
 
 def environment(devices: int) -> dict:
     flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    return os.environ | {"XLA_FLAGS": flags, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    return os.environ | {"XLA_FLAGS": flags, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "core")])}
 
 
 def free_port() -> int:
@@ -42,7 +42,7 @@ def free_port() -> int:
 def group(mode: str, names: list[str], ranks=(0, 1), num_processes: int = 2, timeout: int = TIMEOUT):
     """The processes of `ranks` (of a group of num_processes) running distributed_run.py; killed on the way out."""
     port = free_port()
-    processes = [subprocess.Popen([sys.executable, str(REPO / "tests" / "distributed_run.py"), str(port),
+    processes = [subprocess.Popen([sys.executable, str(REPO / "tests" / "core" / "distributed_run.py"), str(port),
                                    str(num_processes), str(rank), str(timeout), mode, *names],
                                   cwd=REPO, env=environment(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)

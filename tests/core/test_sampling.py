@@ -10,6 +10,10 @@ from paged_jax.core.sampling import apply_penalties, make_sampling_tensors, samp
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 EOS = 0
+# A ban mask wide enough for every test's vocabulary (the sampler reads the logits' width of it), and
+# room for every test's history.
+VOCAB_SIZE = 1024
+HISTORY_WIDTH = 64
 
 
 def build(params, *, seeds=None, prompts=None, outputs=None, pad_rows_to=None):
@@ -22,6 +26,8 @@ def build(params, *, seeds=None, prompts=None, outputs=None, pad_rows_to=None):
         [[]] * n if outputs is None else outputs,
         [EOS],
         pad_rows_to=n if pad_rows_to is None else pad_rows_to,
+        vocab_size=VOCAB_SIZE,
+        history_width=HISTORY_WIDTH,
     )
 
 
@@ -271,7 +277,7 @@ def test_seeded_rows_ignore_the_rest_of_the_batch():
     outputs = [seeded_outputs[i] if kind == "seeded" else [1, 2, 3] for kind, i in rows]
     seeds = [seeded[i].seed if kind == "seeded" else 1000 + i for kind, i in rows]
     t = build(params, seeds=seeds, prompts=[[4, 5]] * len(rows), outputs=outputs, pad_rows_to=16)
-    assert t.do_penalties and t.do_top_k_top_p and t.num_top_logprobs == MAX_LOGPROBS
+    assert t.do_penalties and t.do_top_k_top_p and t.any_logprobs
     mixed = np.asarray(sample(logits, t).tokens)
     for position, (kind, i) in enumerate(rows):
         if kind == "seeded":
@@ -293,7 +299,8 @@ def test_seeds_keep_all_64_bits():
 
 def test_mismatched_rows_are_refused():
     with pytest.raises(ValueError, match="3 params, 2 seeds"):
-        make_sampling_tensors([SamplingParams()] * 3, [1, 2], [[]] * 3, [[]] * 3, [EOS], pad_rows_to=4)
+        make_sampling_tensors([SamplingParams()] * 3, [1, 2], [[]] * 3, [[]] * 3, [EOS], pad_rows_to=4,
+                              vocab_size=VOCAB_SIZE, history_width=HISTORY_WIDTH)
     with pytest.raises(ValueError, match=r"pad_rows_to \(2\)"):
         build([SamplingParams()] * 3, pad_rows_to=2)
     with pytest.raises(ValueError, match="logits have 3 rows, the sampling tensors 4"):
@@ -322,10 +329,27 @@ def test_logprobs_are_of_the_raw_distribution():
     np.testing.assert_allclose(out.top_logprobs, top_ids_logprobs, atol=1e-5)
 
 
-def test_top_logprobs_only_when_asked_and_capped_at_the_vocabulary():
-    logits = np.zeros((2, 8), np.float32)
-    assert sample(logits, build([SamplingParams(logprobs=0), SamplingParams()])).top_ids.shape == (2, 0)
-    assert sample(logits, build([SamplingParams(logprobs=2), SamplingParams()])).top_ids.shape == (2, 8)
+def test_top_logprobs_are_one_shape_capped_at_the_vocabulary():
+    logits = np.log(np.arange(1, 9, dtype=np.float32))[None].repeat(2, 0)
+    # Asked for or not, one shape (one program); filled only when some row asks.
+    unasked = sample(logits, build([SamplingParams(logprobs=0), SamplingParams()]))
+    asked = sample(logits, build([SamplingParams(logprobs=2), SamplingParams()]))
+    assert unasked.top_ids.shape == asked.top_ids.shape == (2, 8)
+    np.testing.assert_array_equal(asked.top_ids[0], np.arange(8)[::-1])
+
+
+def test_more_stop_ids_than_a_word_of_the_ban_mask_are_all_banned():
+    vocab = 100
+    logits = np.linspace(0, 1, vocab, dtype=np.float32)[None]
+    stop_ids = list(range(40, vocab))  # the 60 most likely tokens, over two words of the mask and a part
+    p = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=stop_ids + [VOCAB_SIZE + 5])
+    assert sample(logits, build([p])).tokens[0] == 39
+    assert sample(logits, build([p], outputs=[[1]])).tokens[0] == vocab - 1
+
+
+def test_a_ban_mask_narrower_than_the_logits_is_refused():
+    with pytest.raises(ValueError, match="covers 1024 tokens, the logits 2000"):
+        sample(np.zeros((1, 2000), np.float32), build([SamplingParams()]))
 
 
 def test_batches_of_one_bucket_share_one_compilation():

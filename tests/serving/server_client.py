@@ -57,3 +57,11 @@ def wait_for_idle(base_url: str, timeout: float = 30.0) -> dict[str, float]:
             return m
         assert time.monotonic() < deadline, f"the server did not go idle: {m}"
         time.sleep(0.02)
+
+
+def wait_until_ready(base: str, timeout: float = 600.0) -> None:
+    """Poll /ready until the server has warmed up (as a load balancer would before sending traffic)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{base}/ready").status_code != 200:
+        assert time.monotonic() < deadline, "the server never became ready"
+        time.sleep(0.1)

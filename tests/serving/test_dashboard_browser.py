@@ -21,7 +21,7 @@ from playwright.sync_api import sync_playwright
 from conftest import running_server, slow_steps
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.serving.server import ServerConfig, build_app
-from server_client import metrics
+from server_client import metrics, wait_until_ready
 
 KEY = "sk-dashboard"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -47,6 +47,7 @@ def server(tiny_chat_model):
                        EngineConfig(block_size=16, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=256))
     slow_steps(engine, STEP_DELAY_S)
     with running_server(build_app(engine, ServerConfig(served_model_name="tiny", api_key=KEY))) as url:
+        wait_until_ready(url)
         yield url, engine
 
 
@@ -86,6 +87,7 @@ def test_the_page_wants_the_key_and_shows_every_block_live(server, page):
     assert httpx.get(f"{url}/dashboard").status_code == 401
     assert httpx.get(f"{url}/dashboard/events").status_code == 401
     assert httpx.get(f"{url}/dashboard", headers=AUTH).status_code == 200
+    page.wait_for_selector("#grid .cell")  # the first event may come before the first pool snapshot
     assert page.locator("#grid .cell").count() == engine.blocks.num_blocks
     # At least two updates a second, across the stream's reconnections.
     start, before = time.monotonic(), int(page.get_attribute("body", "data-updates"))

@@ -27,7 +27,8 @@ def base(tiny_chat_model):
 
 
 def test_requests_beyond_the_queue_get_429_and_accepted_ones_finish(base):
-    body = dict(model="tiny", max_tokens=40, ignore_eos=True, temperature=0, stream=True)
+    # Long enough that nothing finishes while the refused requests are sent, on a fast machine too.
+    body = dict(model="tiny", max_tokens=400, ignore_eos=True, temperature=0, stream=True)
 
     async def accepted(http: httpx.AsyncClient, i: int) -> dict[int, str]:
         r = await http.post("/v1/completions", json=body | {"prompt": [100 + i] * 10})

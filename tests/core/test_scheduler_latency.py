@@ -1,0 +1,148 @@
+"""Scheduling for latency on the real Scheduler and BlockManager, with a fake model: while sequences
+decode, a step's prompt tokens are capped (long_prefill_token_threshold), at most
+max_num_partial_prefills prompts are part-way at once, a step never holds more than max_num_seqs
+sequences, and every prompt still finishes."""
+
+import pytest
+
+from paged_jax import EngineConfig, SamplingParams
+from paged_jax.core.block_manager import BlockManager
+from paged_jax.core.scheduler import Scheduler, SchedulerOutput
+from paged_jax.core.sequence import Sequence
+
+
+def make_seq(seq_id: int, prompt_len: int, max_tokens: int, **params) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=str(seq_id), token_ids=list(range(1000 * seq_id, 1000 * seq_id + prompt_len)),
+                    num_prompt_tokens=prompt_len, params=SamplingParams(max_tokens=max_tokens, **params), seed=0,
+                    arrival_time=float(seq_id))
+
+
+def run_step(scheduler: Scheduler, out: SchedulerOutput) -> list[Sequence]:
+    """What the engine does after the model: advance each sequence, sample a token where the step
+    reaches its last known one, retire those at their max_tokens. Returns the retired."""
+    done = []
+    for s in out.scheduled:
+        s.seq.num_computed_tokens += s.num_new_tokens
+        if s.seq.num_computed_tokens == s.seq.num_tokens:
+            s.seq.token_ids.append(7)
+            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
+                scheduler.finish(s.seq)
+                done.append(s.seq)
+    return done
+
+
+def prompt_tokens(out: SchedulerOutput) -> int:
+    return sum(s.num_new_tokens for s in out.scheduled if s.seq.num_computable_tokens - s.seq.num_computed_tokens > 1)
+
+
+def decodes(out: SchedulerOutput) -> int:
+    return sum(s.seq.num_computable_tokens - s.seq.num_computed_tokens == 1 for s in out.scheduled)
+
+
+def scheduler_for(**options) -> Scheduler:
+    config = EngineConfig(**dict(block_size=16, max_num_batched_tokens=512) | options)
+    return Scheduler(config, BlockManager(4096, 16, enable_prefix_caching=False, numpy_pool=True))
+
+
+@pytest.mark.parametrize("threshold", [64, 128])
+def test_a_long_prompt_beside_decodes_comes_in_small_steps_and_finishes(threshold):
+    scheduler = scheduler_for(long_prefill_token_threshold=threshold)
+    for i in range(4):
+        scheduler.add(make_seq(i, 20, max_tokens=1000))
+    run_step(scheduler, scheduler.schedule())  # the four short prompts in one step
+    long = make_seq(9, 1500, max_tokens=1)
+    scheduler.add(long)
+    steps = 0
+    while long.status.name != "FINISHED":
+        out = scheduler.schedule()
+        assert decodes(out) == 4, "the decodes run every step"
+        # The step's tokens stay at the threshold: the prompt fills what the decodes leave.
+        assert prompt_tokens(out) == min(threshold - 4, long.num_computable_tokens - long.num_computed_tokens)
+        run_step(scheduler, out)
+        steps += 1
+    assert steps == -(-1500 // (threshold - 4))
+
+
+def test_nothing_decoding_leaves_the_whole_budget_to_prompts():
+    scheduler = scheduler_for(long_prefill_token_threshold=64)
+    for i in range(3):
+        scheduler.add(make_seq(i, 300, max_tokens=4))
+    out = scheduler.schedule()
+    assert decodes(out) == 0 and prompt_tokens(out) == 512
+
+
+def test_under_load_prompts_get_three_tokens_per_decode():
+    scheduler = scheduler_for(long_prefill_token_threshold=64, max_num_seqs=64, max_num_batched_tokens=1024)
+    for i in range(40):
+        scheduler.add(make_seq(i, 8, max_tokens=1000))
+    run_step(scheduler, scheduler.schedule())
+    scheduler.add(make_seq(99, 600, max_tokens=1))
+    out = scheduler.schedule()
+    assert decodes(out) == 40 and prompt_tokens(out) == 120
+
+
+def test_the_cap_is_off_at_zero_and_without_chunked_prefill():
+    for options in (dict(long_prefill_token_threshold=0), dict(enable_chunked_prefill=False)):
+        scheduler = scheduler_for(**options)
+        scheduler.add(make_seq(0, 10, max_tokens=100))
+        run_step(scheduler, scheduler.schedule())
+        scheduler.add(make_seq(1, 400, max_tokens=1))
+        assert prompt_tokens(scheduler.schedule()) == 400
+
+
+@pytest.mark.parametrize("partial", [1, 2])
+def test_at_most_max_num_partial_prefills_prompts_are_part_way(partial):
+    scheduler = scheduler_for(max_num_partial_prefills=partial, max_num_batched_tokens=128)
+    seqs = [make_seq(i, 300, max_tokens=2) for i in range(5)]
+    for seq in seqs:
+        scheduler.add(seq)
+    finished = []
+    for _ in range(200):
+        if not scheduler.has_unfinished():
+            break
+        out = scheduler.schedule()
+        finished += run_step(scheduler, out)
+        part_way = [s for s in scheduler.running if 0 < s.num_computed_tokens < s.num_prompt_tokens]
+        assert len(part_way) <= partial
+    assert [s.seq_id for s in finished] == [0, 1, 2, 3, 4], "first come, first finished; none starves"
+
+
+def test_a_short_prompt_that_fits_is_admitted_beside_a_part_way_one():
+    scheduler = scheduler_for(max_num_partial_prefills=1, max_num_batched_tokens=128, long_prefill_token_threshold=0)
+    scheduler.add(make_seq(0, 100, max_tokens=2))
+    scheduler.add(make_seq(1, 500, max_tokens=2))
+    scheduler.add(make_seq(2, 20, max_tokens=2))  # would be part-way too: waits
+    out = scheduler.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(0, 100), (1, 28)]
+
+
+def test_a_step_never_holds_more_than_max_num_seqs_and_forks_all_run():
+    scheduler = scheduler_for(max_num_seqs=4, max_num_batched_tokens=256)
+    parents = [make_seq(10 * i, 12, max_tokens=6, temperature=1.0, n=3) for i in range(3)]
+    for parent in parents:
+        parent.forks = 3
+        scheduler.add(parent)
+    outputs = {}
+    for _ in range(100):
+        if not scheduler.has_unfinished():
+            break
+        out = scheduler.schedule()
+        assert len(out.scheduled) <= 4
+        for s in run_step(scheduler, out):
+            outputs[s.seq_id] = s.num_output_tokens
+    assert len(outputs) == 9 and set(outputs.values()) == {6}
+
+
+def test_a_backlog_lifts_the_cap():
+    scheduler = scheduler_for(long_prefill_token_threshold=64, max_num_partial_prefills=4)
+    for i in range(4):
+        scheduler.add(make_seq(i, 20, max_tokens=1000))
+    run_step(scheduler, scheduler.schedule())
+    for i in range(9):  # more than the backlog the cap allows
+        scheduler.add(make_seq(10 + i, 300, max_tokens=1))
+    out = scheduler.schedule()
+    assert decodes(out) == 4 and prompt_tokens(out) == 512 - 4
+    for i in range(8):  # the backlog is gone: the cap is back
+        run_step(scheduler, scheduler.schedule())
+    assert len(scheduler.waiting) <= 8
+    assert prompt_tokens(scheduler.schedule()) <= 64 - 4
