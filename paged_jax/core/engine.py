@@ -26,6 +26,7 @@ from paged_jax.core.policy import check_priority
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from paged_jax.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from paged_jax.core.sequence import Sequence
+from paged_jax.core.structured_output import AwaitingGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,10 @@ class LLMEngine:
                                    self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.grammars = (None if tokenizer is None else
+                         GrammarCompiler(tokenizer, model_config.vocab_size, model_config.eos_token_ids))
+        # Constrained requests wait here, outside the scheduler, until their grammar has compiled.
+        self.awaiting_grammar = AwaitingGrammar()
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -149,8 +154,9 @@ class LLMEngine:
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
-            raise ValueError("this model has no tokenizer: give prompts as token ids and no stop strings")
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop or params.structured_outputs):
+            raise ValueError("this model has no tokenizer: give prompts as token ids, no stop strings and no "
+                             "structured outputs")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -178,7 +184,10 @@ class LLMEngine:
                        num_prompt_tokens=len(token_ids), params=seq_params, seed=seed,
                        arrival_time=now, priority=priority, forks=1 if params.use_beam_search else params.n)
         self._requests[request_id] = _Request(request_id, text, list(token_ids), params, [seq], now)
-        self.scheduler.add(seq)
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)
+        else:
+            self.awaiting_grammar.add(self.grammars.submit(params.structured_outputs), seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -209,15 +218,28 @@ class LLMEngine:
         The requests in the step are those it scheduled or, when scheduling itself failed, all that
         were running. The others go on, computed again if the failure took the KV cache with it.
         """
+        refused = self._admit_compiled()
         requests = dict(self._requests)  # as they stood before the step, in case it fails
         out = None
         try:
             out = self.scheduler.schedule()
-            return self._run(out)
+            return refused + self._run(out)
         except Exception as error:
             logger.exception("an engine step failed; its requests end with an error")
             seqs = self.scheduler.running if out is None else [*(s.seq for s in out.scheduled), *out.forked]
             return self._fail(list(dict.fromkeys(s.request_id for s in seqs)), requests, error)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the constrained requests whose grammar is ready; end with an error those whose grammar
+        failed to compile. With nothing else to run, waits a moment for a compile instead of spinning."""
+        ready, failed = self.awaiting_grammar.take_ready(wait=not self.scheduler.has_unfinished())
+        for seq in ready:
+            self.scheduler.add(seq)
+        outputs = []
+        for seq, error in failed:
+            self.scheduler.finish(seq)
+            outputs += self._fail([seq.request_id], self._requests, error)
+        return outputs
 
     def _fail(self, request_ids: list[str], requests: dict[str, _Request], error: Exception) -> list[RequestOutput]:
         """End the given requests with an error, and leave the engine fit to serve the others."""
@@ -324,7 +346,13 @@ class LLMEngine:
                 entry.setdefault(int(tid), float(lp))
             seq.logprobs.append(entry)
         seq.cumulative_logprob += float(sampled.logprobs[row])
-        reason = self._stop_reason(seq, token)
+        if seq.guide is not None and not seq.guide.accept(token):
+            # The sampler drew from what the grammar allowed: a refusal is the matcher failing (a limit hit).
+            logger.error("request %s: the constraint's matcher refused token %d: %s", seq.request_id, token,
+                         seq.guide.error)
+            reason = "error", None
+        else:
+            reason = self._stop_reason(seq, token)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
             seq.finish_time = now
@@ -340,6 +368,8 @@ class LLMEngine:
             stop = self._find_stop(seq) if params.stop else None
             if stop is not None:
                 return "stop", stop
+        if seq.guide is not None and seq.guide.finished:
+            return "stop", None  # the grammar admits nothing more
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.resolved.max_model_len:
             return "length", None
         return None

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import sharding
-from paged_jax.core import distributed, sampling
+from paged_jax.core import distributed, sampling, structured_output
 from paged_jax.core.batch import StepInput, build_step_input
 from paged_jax.core.buckets import bucket, pad_to_bucket
 from paged_jax.core.config import ResolvedConfig
@@ -122,13 +122,17 @@ class ModelRunner:
         """The step's host arrays for these sequences: the flat batch and page tables, the sampling tensors."""
         step_input = build_step_input(scheduled, self.resolved.block_size)
         seqs = [s.seq for s in scheduled]
+        rows = step_input.logits_indices.shape[0]
+        # A row that does not sample this step (a prompt chunk) has nothing to constrain.
+        allowed = structured_output.allowed_tokens([s.seq.guide if s.samples else None for s in scheduled], rows,
+                                                   self.model_config.vocab_size)
         tensors = sampling.make_sampling_tensors(
             [s.params for s in seqs],
             [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs],
             [s.token_ids[: s.num_prompt_tokens] for s in seqs],
             [s.output_token_ids for s in seqs],
             self.model_config.eos_token_ids,
-            pad_rows_to=step_input.logits_indices.shape[0])
+            allowed=allowed, pad_rows_to=rows)
         return step_input, tensors
 
     def step_args(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict]:

@@ -5,7 +5,9 @@ The host packs the rows' parameters into a `SamplingTensors` pytree (`make_sampl
 
 1. logprobs are taken from the raw logits, before penalties and temperature (vLLM's default
    "raw_logprobs": they describe the model, not the sampler's reshaping of it);
-2. repetition, presence and frequency penalties; EOS and stop ids banned until min_tokens;
+2. repetition, presence and frequency penalties; EOS and stop ids banned until min_tokens; then
+   every token the row's constraint does not allow (structured outputs: a bitmask, all ones for an
+   unconstrained row);
 3. greedy rows (temperature 0) take the argmax here;
 4. the other rows divide by their temperature, keep their top_k, then the smallest head of that
    whose probability reaches top_p, then drop tokens below min_p times the top probability, and
@@ -18,6 +20,7 @@ batch of a bucket and an all-greedy batch pays for no sort and no random draw.
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -52,6 +55,7 @@ class SamplingTensors:
     banned_ids: jax.Array  # int32 [S, B]        ids the row may not sample this step, -1 padded
     prompt_ids: jax.Array  # int32 [S, P]        -1 padded; P = 0 unless do_penalties
     output_ids: jax.Array  # int32 [S, O]        -1 padded; O = 0 unless do_penalties
+    allowed: jax.Array  # int32 [S, W]           bit j of word w: token 32 w + j allowed; W * 32 >= V
     all_greedy: bool = dataclasses.field(metadata=_STATIC, default=True)
     do_top_k_top_p: bool = dataclasses.field(metadata=_STATIC, default=False)
     do_penalties: bool = dataclasses.field(metadata=_STATIC, default=False)
@@ -75,6 +79,7 @@ def make_sampling_tensors(
     output_ids: Sequence[Sequence[int]],
     eos_ids: Sequence[int],
     *,
+    allowed: np.ndarray,
     pad_rows_to: int,
 ) -> SamplingTensors:
     """Pack one step's rows for `sample`.
@@ -85,6 +90,7 @@ def make_sampling_tensors(
         far; len(output_ids[i]) is the row's step.
     eos_ids: the model's end-of-sequence ids, banned with stop_token_ids until min_tokens (unless
         ignore_eos).
+    allowed: int32 [pad_rows_to, W], each row's allowed tokens as bits (`all_allowed` for none barred).
     pad_rows_to: S, the batch bucket; rows past len(params) are greedy padding.
     """
     num = len(params)
@@ -95,6 +101,8 @@ def make_sampling_tensors(
         )
     if pad_rows_to < num:
         raise ValueError(f"pad_rows_to ({pad_rows_to}) is smaller than the batch ({num} rows)")
+    if allowed.shape[0] != pad_rows_to:
+        raise ValueError(f"the allowed-token mask has {allowed.shape[0]} rows, not pad_rows_to={pad_rows_to}")
 
     def column(values, fill, dtype):
         out = np.full(pad_rows_to, fill, dtype)
@@ -126,11 +134,20 @@ def make_sampling_tensors(
         banned_ids=_pad_ids(banned, pad_rows_to, _MIN_BANNED_WIDTH),
         prompt_ids=prompts,
         output_ids=outputs,
+        allowed=allowed,
         all_greedy=not sampled,
         do_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
         do_penalties=do_penalties,
         num_top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
     )
+
+
+@functools.cache
+def all_allowed(rows: int, vocab_size: int) -> np.ndarray:
+    """int32 [rows, ceil(vocab_size / 32)], every bit set: no token barred. Cached and read-only."""
+    ones = np.full((rows, -(-vocab_size // 32)), -1, np.int32)
+    ones.flags.writeable = False
+    return ones
 
 
 def _banned_ids(p: SamplingParams, generated: int, eos_ids: Sequence[int]) -> tuple[int, ...]:
@@ -164,6 +181,7 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
         logits = apply_penalties(logits, t)
     rows, cols = _scatter_index(t.banned_ids, logits.shape[-1])
     logits = logits.at[rows, cols].set(-jnp.inf, mode="drop")
+    logits = jnp.where(_unpack_bits(t.allowed, logits.shape[-1]), logits, -jnp.inf)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not t.all_greedy:
         tokens = jnp.where(t.temperature == 0, tokens, _random_tokens(logits, t))
@@ -174,6 +192,14 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
         top_logprobs=top_logprobs,
         top_ids=top_ids.astype(jnp.int32),
     )
+
+
+def _unpack_bits(words: jax.Array, vocab: int) -> jax.Array:
+    """words: int32 [S, W], W * 32 >= vocab -> bool [S, vocab], bit j of word w at column 32 w + j."""
+    if words.shape[-1] * 32 < vocab:
+        raise ValueError(f"the allowed-token mask covers {words.shape[-1] * 32} tokens, the logits {vocab}")
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].astype(bool)
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:

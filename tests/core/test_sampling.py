@@ -6,10 +6,12 @@ import jax
 import numpy as np
 import pytest
 
-from paged_jax.core.sampling import apply_penalties, make_sampling_tensors, sample
+from paged_jax.core.sampling import all_allowed, apply_penalties, make_sampling_tensors, sample
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 EOS = 0
+# Wide enough for every test's vocabulary: the sampler reads the mask's first V bits.
+MASK_VOCAB = 1024
 
 
 def build(params, *, seeds=None, prompts=None, outputs=None, pad_rows_to=None):
@@ -21,6 +23,7 @@ def build(params, *, seeds=None, prompts=None, outputs=None, pad_rows_to=None):
         [[]] * n if prompts is None else prompts,
         [[]] * n if outputs is None else outputs,
         [EOS],
+        allowed=all_allowed(n if pad_rows_to is None else pad_rows_to, MASK_VOCAB),
         pad_rows_to=n if pad_rows_to is None else pad_rows_to,
     )
 
@@ -293,7 +296,8 @@ def test_seeds_keep_all_64_bits():
 
 def test_mismatched_rows_are_refused():
     with pytest.raises(ValueError, match="3 params, 2 seeds"):
-        make_sampling_tensors([SamplingParams()] * 3, [1, 2], [[]] * 3, [[]] * 3, [EOS], pad_rows_to=4)
+        make_sampling_tensors([SamplingParams()] * 3, [1, 2], [[]] * 3, [[]] * 3, [EOS],
+                              allowed=all_allowed(4, MASK_VOCAB), pad_rows_to=4)
     with pytest.raises(ValueError, match=r"pad_rows_to \(2\)"):
         build([SamplingParams()] * 3, pad_rows_to=2)
     with pytest.raises(ValueError, match="logits have 3 rows, the sampling tensors 4"):

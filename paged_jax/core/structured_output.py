@@ -1,0 +1,155 @@
+"""Constrained decoding with llguidance: compiling constraints off the engine thread, one matcher per
+sequence, and each step's allowed tokens as a bitmask for the sampler.
+
+A request's StructuredOutputsParams becomes a grammar (grammars.py) that `GrammarCompiler` compiles
+with the model's tokenizer on a worker thread, once per distinct constraint (cached by its text), into
+a matcher that every sequence of the request copies (`Guide`). Meanwhile the request waits in
+`AwaitingGrammar`, outside the scheduler, so the engine loop goes on with the others.
+
+A guide has consumed exactly its sequence's output tokens. Preemption keeps those tokens in both modes
+(recompute computes the prompt and the output again, swap restores their KV), so the guide is kept as
+it is; a fork (n > 1) copies its parent's. Each step `allowed_tokens` packs every sampling row's next
+allowed tokens 32 to an int32 word, which the jitted sampler applies before any sampling mode.
+Unconstrained rows get all ones, and a batch with no constraint the one cached all-ones array, so the
+step's shapes never depend on whether a constraint is running. EOS is allowed only where the matcher
+accepts; once the grammar admits nothing more the sequence ends with finish_reason "stop".
+"""
+
+import collections
+import concurrent.futures
+import functools
+import threading
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from paged_jax.core import grammars
+from paged_jax.core.sampling import all_allowed
+from paged_jax.core.sampling_params import StructuredOutputsParams
+from paged_jax.core.sequence import Sequence as Seq
+
+# Distinct constraints kept compiled; the oldest is dropped beyond this.
+_CACHE_SIZE = 256
+# How long a step with nothing else to run waits for a grammar to compile (so drivers do not spin).
+_IDLE_WAIT_S = 0.01
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's tokenizer on one worker thread, each distinct one once."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        """tokenizer: a transformers fast tokenizer; vocab_size: the model's, the width of its logits."""
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._ll_tokenizer = None  # built on the worker thread, on first use (about a second)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paged-jax-grammar")
+        self._cache: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self._lock = threading.Lock()  # submit is called from the engine thread and from request handlers
+
+    def submit(self, so: StructuredOutputsParams) -> concurrent.futures.Future:
+        """A future of the compiled matcher (an llguidance.LLMatcher to copy, never to advance), or of
+        the GrammarError that says why the constraint cannot be compiled."""
+        key = grammars.cache_key(so)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._cache[key] = self._executor.submit(self._compile, so)
+                if len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+            return future
+
+    def _compile(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
+                                                              eos_token=self._eos_token_ids)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammars.grammar_text(so), log_level=0)
+        if matcher.is_error():
+            raise grammars.GrammarError(grammars.explain(so, matcher.get_error()))
+        return matcher
+
+
+class Guide:
+    """One sequence's matcher, which has consumed exactly the sequence's output tokens."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+
+    def fork(self) -> "Guide":
+        return Guide(self.matcher.deep_copy())
+
+    def accept(self, token: int) -> bool:
+        """Advance past the sequence's new token; False if the grammar refuses it (the matcher then
+        stays in its error state)."""
+        return self.matcher.consume_token(token)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the grammar admits no more tokens (only EOS)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()
+
+
+def allowed_tokens(guides: Sequence[Guide | None], rows: int, vocab_size: int) -> np.ndarray:
+    """int32 [rows, ceil(vocab_size / 32)]: bit j of word w of row i set where token 32 w + j may come
+    next in row i. guides: one per row (None: unconstrained, every token allowed); rows past them are
+    padding, all allowed. Read-only: without a guide it is the cached all-ones array."""
+    ones = all_allowed(rows, vocab_size)
+    constrained = [(g.matcher, i) for i, g in enumerate(guides) if g is not None]
+    if not constrained:
+        return ones
+    mask = ones.copy()
+    # Rows in parallel, without the GIL.
+    llguidance.numpy.fill_next_token_bitmask_par(_executor(), constrained, mask)
+    return mask
+
+
+class AwaitingGrammar:
+    """Sequences whose constraint is still compiling, in arrival order."""
+
+    def __init__(self):
+        self._entries: list[tuple[concurrent.futures.Future, Seq]] = []
+
+    def add(self, future: concurrent.futures.Future, seq: Seq) -> None:
+        self._entries.append((future, seq))
+
+    @property
+    def request_ids(self) -> set[str]:
+        return {seq.request_id for _, seq in self._entries}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take_ready(self, *, wait: bool) -> tuple[list[Seq], list[tuple[Seq, BaseException]]]:
+        """(sequences now holding their guide, (sequence, error) for those whose constraint failed to
+        compile), each in arrival order; finished (aborted) sequences are dropped. wait: block a moment
+        for the first compile to end when nothing else could run."""
+        self._entries = [(f, s) for f, s in self._entries if not s.is_finished]
+        if wait and self._entries:
+            concurrent.futures.wait([f for f, _ in self._entries], _IDLE_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        ready, failed, still = [], [], []
+        for future, seq in self._entries:
+            if not future.done():
+                still.append((future, seq))
+            elif future.exception() is not None:
+                failed.append((seq, future.exception()))
+            else:
+                seq.guide = Guide(future.result().deep_copy())
+                ready.append(seq)
+        self._entries = still
+        return ready, failed
