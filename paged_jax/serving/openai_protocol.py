@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidato
 from pydantic_core import PydanticCustomError
 
 from paged_jax.core.sampling_params import MAX_LOGPROBS
+from paged_jax.serving.structured_protocol import (DeltaToolCall, ResponseFormat, StructuredOutputs, Tool, ToolCallIn,
+                                                   ToolCallOut, ToolChoice)
 
 
 def one_of(forms: str) -> WrapValidator:
@@ -48,8 +50,6 @@ class OpenAIModel(BaseModel):
 
 # Parameters of OpenAI's API the engine does not implement, with the values that mean "not used".
 _OFF_VALUES = {
-    "response_format": ({"type": "text"},),
-    "tool_choice": ("none",),
     "modalities": (["text"],),
     "service_tier": ("auto", "default"),
 }
@@ -100,6 +100,13 @@ class SamplingRequest(_Request):
     min_tokens: int = Field(0, ge=0)
     priority: int = Field(0, description="Under --scheduling-policy priority, lower runs first (and is "
                                          "preempted last); any other policy accepts only 0.")
+    # vLLM's constraints on the output: structured_outputs, or one of the older guided_* fields.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     # paged-jax's own.
     request_timeout: float | None = Field(
         None, gt=0, description="Seconds this request may take, within the server's --request-timeout.")
@@ -122,15 +129,16 @@ class TextContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextContentPart] | None, one_of("a string or a list of text parts "
                                                                  "({'type': 'text', 'text': ...})")] = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingRequest):
-    UNSUPPORTED: ClassVar = ("logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call",
-                             "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort",
+    UNSUPPORTED: ClassVar = ("logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
                              "web_search_options", "service_tier", "store", "metadata", "verbosity")
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -139,6 +147,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = Field(None, description='Default "auto" with tools, "none" without.')
+    parallel_tool_calls: bool | None = None
 
 
 # Responses.
@@ -157,7 +169,7 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = []
 
 
-FinishReason = Literal["stop", "length", "abort", "timeout", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "timeout", "error"]
 
 
 class CompletionChoice(BaseModel):
@@ -193,7 +205,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatCompletionChoice(BaseModel):
@@ -216,6 +229,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

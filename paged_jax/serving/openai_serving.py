@@ -25,7 +25,10 @@ from paged_jax.serving.openai_protocol import (AssistantMessage, ChatCompletionC
                                        random_id)
 from paged_jax.core.outputs import CompletionOutput, RequestOutput
 from paged_jax.core.policy import check_priority
-from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.sampling_params import SamplingParams, StructuredOutputsParams
+from paged_jax.serving import structured_requests, tool_messages
+from paged_jax.serving.structured_requests import RequestConstraint
+from paged_jax.serving.tool_parsers import ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +115,10 @@ class _Prompt:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, *, max_tokens_cap: int | None = None,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, auto_tool_parser: str | None = None):
         """max_tokens_cap: the most tokens one request may ask for. request_timeout: seconds a request
-        may take at most (each request may ask for less)."""
+        may take at most (each request may ask for less). auto_tool_parser: the tool_parsers.PARSERS
+        name tool_choice "auto" reads calls with (None: "auto" is refused)."""
         self.engine = engine
         self.model_name = model_name
         self.max_tokens_cap = max_tokens_cap
@@ -124,6 +128,7 @@ class OpenAIServing:
         self._max_num_seqs = engine.engine.config.max_num_seqs
         self._vocab_size = engine.engine.model_config.vocab_size
         self._token_strs: dict[int, str] = {}
+        self.auto_tool_parser = auto_tool_parser
 
     # Completions.
 
@@ -136,8 +141,9 @@ class OpenAIServing:
             raise bad_request("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                               "echo", code="unsupported_parameter")
         prompts = self._completion_prompts(request.prompt)
+        constraint = await self._constraint(request)
         params = [self._sampling_params(request, len(p.token_ids), request.max_tokens, "max_tokens", request.logprobs,
-                                        default_max_tokens=16) for p in prompts]
+                                        constraint.structured_outputs, default_max_tokens=16) for p in prompts]
         response_id = random_id("cmpl")
         streams = await self._submit(response_id, prompts, params, request)
         if request.stream:
@@ -197,27 +203,36 @@ class OpenAIServing:
         self._check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        prompt = _Prompt(None, self._chat_ids(request.messages, request.add_generation_prompt))
+        constraint = await self._constraint(request)
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        prompt = _Prompt(None, self._chat_ids(request.messages, request.add_generation_prompt, tools=tools))
         if request.max_completion_tokens is not None:
             max_tokens, name = request.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, name = request.max_tokens, "max_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self._sampling_params(request, len(prompt.token_ids), max_tokens, name, logprobs)
+        params = self._sampling_params(request, len(prompt.token_ids), max_tokens, name, logprobs,
+                                       constraint.structured_outputs)
         response_id = random_id("chatcmpl")
         streams = await self._submit(response_id, [prompt], [params], request)
         if request.stream:
-            return EventStream(_ending(self._chat_events(response_id, request, prompt, streams[0])), streams)
+            return EventStream(_ending(self._chat_events(response_id, request, prompt, streams[0], constraint)), streams)
         [final] = await _finals(streams)
-        choices = [ChatCompletionChoice(
-            index=c.index, message=AssistantMessage(content=c.text),
-            logprobs=self._chat_logprobs(c.token_ids, c.logprobs, logprobs) if request.logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            content, calls = c.text, []
+            if constraint.parser is not None:
+                content, calls = _tool_reader(constraint).update(c.text, final=True)
+            choices.append(ChatCompletionChoice(
+                index=c.index, message=AssistantMessage(content=content or None if calls else content,
+                                                        tool_calls=[tool_messages.tool_call_out(t) for t in calls]),
+                logprobs=self._chat_logprobs(c.token_ids, c.logprobs, logprobs) if request.logprobs else None,
+                finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices,
                                       usage=_usage([prompt], [final]))
 
     async def _chat_events(self, response_id: str, request: ChatCompletionRequest, prompt: _Prompt,
-                           stream: RequestStream) -> AsyncIterator[str]:
+                           stream: RequestStream, constraint: RequestConstraint) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices, usage=None) -> str:
@@ -228,6 +243,7 @@ class OpenAIServing:
         yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(request.n)])
         sent: dict[int, _Sent] = {}
+        readers: dict[int, ToolCallStream] = {}  # with a tool parser: each choice's calls so far
         final = None
         async for out in stream:
             final = out
@@ -236,20 +252,26 @@ class OpenAIServing:
                 if state.finished:
                     continue
                 delta, new_ids, new_logprobs = self._advance(state, c, request.stop)
-                if not (delta or new_ids or state.finished):
+                calls = []
+                if constraint.parser is not None:
+                    reader = readers.setdefault(c.index, _tool_reader(constraint))
+                    delta, calls = reader.update(c.text[: state.chars], state.finished)
+                    calls = tool_messages.tool_call_deltas(calls, len(reader.calls) - len(calls))
+                if not (delta or new_ids or calls or state.finished):
                     continue
                 logprobs = (self._chat_logprobs(new_ids, new_logprobs, request.top_logprobs or 0)
                             if request.logprobs else None)
+                called = readers[c.index].calls if c.index in readers else []
                 yield chunk([ChatCompletionStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    index=c.index, delta=DeltaMessage(content=delta, tool_calls=calls or None), logprobs=logprobs,
+                    finish_reason=_finish_reason(c.finish_reason, called), stop_reason=c.stop_reason)])
         if request.stream_options and request.stream_options.include_usage:
             yield chunk([], _usage([prompt], [final]))
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, **options) -> list[int]:
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
-        conversation = [{"role": m.role, "content": _content_text(m.content)} for m in messages]
+        conversation = [tool_messages.template_message(m, _content_text(m.content)) for m in messages]
         try:
             return chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt, **options)
         except Exception as e:  # the template refused the conversation (roles out of order, say)
@@ -297,7 +319,8 @@ class OpenAIServing:
         return prompt.text if prompt.text is not None else self._decode(prompt.token_ids)
 
     def _sampling_params(self, request: SamplingRequest, prompt_len: int, max_tokens: int | None, name: str,
-                         logprobs: int | None, *, default_max_tokens: int | None = None) -> SamplingParams:
+                         logprobs: int | None, structured_outputs: StructuredOutputsParams | None = None, *,
+                         default_max_tokens: int | None = None) -> SamplingParams:
         """The request's SamplingParams for a prompt of prompt_len tokens; refuses what cannot fit.
         Without max_tokens, a request gets default_max_tokens (None: all the room the context leaves),
         within the server's cap and the context."""
@@ -328,9 +351,24 @@ class OpenAIServing:
                 repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                 seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
-                stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs)
+                stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+                structured_outputs=structured_outputs)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+
+    async def _constraint(self, request: SamplingRequest) -> RequestConstraint:
+        """The request's constraint, compiled (off the event loop, and cached for the engine), or a 400
+        naming the field at fault."""
+        try:
+            constraint = structured_requests.request_constraint(request, auto_tool_parser=self.auto_tool_parser)
+            if constraint.checks and self.engine.engine.grammars is None:
+                raise structured_requests.ConstraintError("this model has no tokenizer, which constraints need",
+                                                          constraint.checks[-1][0])
+            for param, so in constraint.checks:
+                await structured_requests.compiled(self.engine.engine.grammars, so, param)
+        except structured_requests.ConstraintError as e:
+            raise bad_request(str(e), e.param) from e
+        return constraint
 
     def _timeout(self, request: SamplingRequest) -> float | None:
         if request.request_timeout is None:
@@ -412,6 +450,14 @@ def _content_text(content: str | list | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(part.text for part in content)
+
+
+def _tool_reader(constraint: RequestConstraint) -> ToolCallStream:
+    return ToolCallStream(constraint.parser, single_call=constraint.single_call)
+
+
+def _finish_reason(reason: str | None, calls: list) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _usage(prompts: list[_Prompt], finals: Sequence[RequestOutput | None]) -> UsageInfo:

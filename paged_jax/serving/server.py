@@ -29,6 +29,7 @@ from paged_jax.serving.openai_protocol import (ChatCompletionRequest, ChatComple
                                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                        ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
 from paged_jax.serving.openai_serving import APIError, EventStream, OpenAIServing
+from paged_jax.serving.tool_parsers import PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,19 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds; each request may ask for less
     max_tokens_cap: int | None = None  # the most tokens one request may ask for
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # tool_choice "auto": the model's calls are read with this tool_parsers.PARSERS format.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         for name in ("max_num_queued_reqs", "request_timeout", "max_tokens_cap", "max_request_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -73,8 +81,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         async_engine = AsyncLLMEngine(engine, max_num_queued_reqs=config.max_num_queued_reqs, stat_loggers=[metrics])
         app.state.engine = async_engine
-        app.state.serving = OpenAIServing(async_engine, config.served_model_name, max_tokens_cap=config.max_tokens_cap,
-                                          request_timeout=config.request_timeout)
+        app.state.serving = OpenAIServing(
+            async_engine, config.served_model_name, max_tokens_cap=config.max_tokens_cap,
+            request_timeout=config.request_timeout,
+            auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None)
         try:
             yield
         finally:

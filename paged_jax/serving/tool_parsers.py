@@ -139,3 +139,22 @@ class NamedParser:
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+class ToolCallStream:
+    """One reply read as it grows: `update` gives what is newly settled (content, then whole calls).
+    A reply that is not streamed is one update with final=True."""
+
+    def __init__(self, parser: ToolParser, *, single_call: bool = False):
+        """single_call: keep the first call only (parallel_tool_calls false)."""
+        self.parser = parser
+        self.single_call = single_call
+        self.num_chars = 0  # of the content
+        self.calls: list[ToolCall] = []
+
+    def update(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        parsed = self.parser.parse(text, final)
+        calls = parsed.calls[:1] if self.single_call else parsed.calls
+        content, new = parsed.content[self.num_chars:], calls[len(self.calls):]
+        self.num_chars, self.calls = len(parsed.content), calls
+        return content, new

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from paged_jax.serving.tool_parsers import (HermesParser, Llama3JsonParser, NamedParser, RequiredParser, ToolCall)
+from paged_jax.serving.tool_parsers import (HermesParser, Llama3JsonParser, NamedParser, RequiredParser, ToolCall,
+                                            ToolCallStream)
 
 WEATHER = ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
 TIME = ToolCall("get_time", '{"zone": "Europe/Paris"}')
@@ -54,14 +55,21 @@ def test_whole_replies(parser, text, content, calls):
 @pytest.mark.parametrize("parser, text, content, calls", CASES)
 def test_a_stream_adds_up_to_the_whole_reply(parser, text, content, calls):
     """Fed every prefix, as a stream sees the text grow: content only grows, calls only get appended,
-    and what was sent plus the final parse's remainder is the whole reply's parse."""
-    sent_content, sent_calls = "", []
+    and what the stream sent adds up to the whole reply's parse."""
+    stream, sent_content, sent_calls = ToolCallStream(parser), "", []
     for end in range(len(text) + 1):
-        parsed = parser.parse(text[:end], final=end == len(text))
-        assert parsed.content.startswith(sent_content)
-        assert parsed.calls[: len(sent_calls)] == sent_calls
-        sent_content, sent_calls = parsed.content, parsed.calls
+        final = end == len(text)
+        parsed = parser.parse(text[:end], final)
+        assert parsed.content.startswith(sent_content) and parsed.calls[: len(sent_calls)] == sent_calls
+        more_content, more_calls = stream.update(text[:end], final)
+        sent_content, sent_calls = sent_content + more_content, sent_calls + more_calls
     assert (sent_content, sent_calls) == (content, calls)
+
+
+def test_single_call_keeps_the_first():
+    text = ('[{"name": "get_time", "parameters": {"zone": "Europe/Paris"}}, '
+            '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}]')
+    assert ToolCallStream(RequiredParser(), single_call=True).update(text, final=True) == ("", [TIME])
 
 
 def test_hermes_holds_back_what_may_open_a_call():
