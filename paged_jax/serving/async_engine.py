@@ -373,7 +373,8 @@ class AsyncLLMEngine:
         live.num_generation_tokens, live.last_token_time = generated, now
 
     def _waiting_ids(self) -> set[str]:
-        return {seq.request_id for seq in self.engine.scheduler.waiting}
+        # A constrained request whose grammar still compiles waits too, outside the scheduler.
+        return {seq.request_id for seq in self.engine.scheduler.waiting} | self.engine.awaiting_grammar.request_ids
 
     def _note_admissions(self, step_start: float) -> None:
         """Requests that left the waiting queue in this step: their time in it."""
