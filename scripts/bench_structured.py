@@ -13,11 +13,10 @@ one (EOS ignored), runs to its max_new_tokens: both runs generate the same numbe
 
 import argparse
 import json
-import pathlib
 import statistics
 import time
 
-from bench_throughput import add_engine_args, make_engine, run_once, workload_requests
+from bench_throughput import add_engine_args, make_engine, run_once, save_json, workload_requests
 from paged_jax import LLMEngine, SamplingParams, StructuredOutputsParams
 from paged_jax.core import structured_output
 
@@ -123,11 +122,9 @@ def main(argv=None) -> dict:
     figures["throughput_ratio"] = round(figures["constrained"]["output_tokens_per_s"]
                                         / figures["unconstrained"]["output_tokens_per_s"], 3)
     figures["while_compiling"] = steps_while_compiling(engine, requests, plain, args.compile_properties)
-    for name, value in figures.items():
-        print(f"{name:>24}: {value}")
+    print(json.dumps(figures, indent=2))
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(figures, indent=2))
+        save_json(figures, args.json)
     return figures
 
 

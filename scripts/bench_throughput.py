@@ -77,6 +77,11 @@ def load_workload(path) -> dict:
     return dict(name="W1", requests=requests)
 
 
+def save_json(figures: dict, path: str) -> None:
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(figures, indent=2))
+
+
 def model_flops(cfg, requests) -> float:
     """Matmul and attention FLOPs the workload needs (logits only for sampled rows)."""
     d, hd = cfg.hidden_size, cfg.head_dim
@@ -215,8 +220,7 @@ def main(argv=None) -> dict:
         figures["profile"] = step_profile.profile_run(engine, requests, params, matmul_peak=peak)
         print(step_profile.format_profile(figures["profile"]))
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(figures, indent=2))
+        save_json(figures, args.json)
     return figures
 
 
