@@ -14,6 +14,7 @@ import pytest
 
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from paged_jax.core.sampling import make_sampling_tensors, sample
+from paged_jax.core.structured_output import Guide, allowed_tokens
 
 # A finite language, so that even a random model's sampled output ends within max_tokens.
 SCHEMA = {
@@ -143,6 +144,25 @@ def test_the_mask_holds_in_every_sampling_mode():
         assert allowed[np.arange(rows), tokens].all()
     greedy = [i for i, p in enumerate(params) if p.greedy and not p.uses_penalties]
     np.testing.assert_array_equal(tokens[greedy], np.where(allowed, logits, -np.inf)[greedy].argmax(-1))
+
+
+def test_eos_is_allowed_only_where_the_grammar_accepts(llm):
+    engine, tokenizer = llm.engine, llm.tokenizer
+    vocab, eos = engine.model_config.vocab_size, tokenizer.eos_token_id
+    guide = Guide(engine.grammars.submit(StructuredOutputsParams(regex="[0-9]{2,3}")).result().deep_copy())
+
+    def allowed() -> set[int]:
+        bits = np.unpackbits(allowed_tokens([guide], 1, vocab).view(np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits[:vocab]).tolist())
+
+    first = allowed()
+    assert eos not in first and first
+    assert all(re.fullmatch("[0-9]{1,3}", tokenizer.decode([t])) for t in first)
+    for digit in "12":
+        assert guide.accept(tokenizer.convert_tokens_to_ids(digit))
+    assert eos in allowed() and not guide.finished  # "12" may end, or take one digit more
+    assert guide.accept(tokenizer.convert_tokens_to_ids("3"))
+    assert allowed() == {eos} and guide.finished
 
 
 # --- Constrained requests on a tiny random model ---------------------------------------------------
