@@ -14,6 +14,7 @@ setup:
 
 setup-dev: setup
 	$(PYTHON) -m pip install -q -e '.[dev]'
+	sh scripts/install_chromium.sh
 
 run: setup
 	$(PYTHON) scripts/generate.py "$(PROMPT)" $(ARGS)

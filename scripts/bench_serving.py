@@ -9,7 +9,11 @@ port and stops it at the end. Each request streams a completion of its prompt to
 decoding and EOS ignored, so it generates exactly its max_new_tokens. Per rate: request and token
 throughput; TTFT, TPOT (after the first token), ITL (between streamed chunks) and end-to-end latency at
 mean, median, p95 and p99; and the server's compiles during the run (from /metrics), which would
-distort the figures.
+distort the figures. With --goodput (vLLM's flag), also goodput: requests per second that succeeded
+within every objective given, e.g. against a server that sheds load by SLO:
+
+    python scripts/bench_serving.py --request-rate 8 --goodput ttft:2000 tpot:500 \
+        --server-args "--slo-ttft-ms 2000 --slo-tpot-ms 500"
 """
 
 import argparse
@@ -43,7 +47,17 @@ def parse_args(argv=None):
                    help="workload requests sent once, all at once, before timing (compiles happen there)")
     p.add_argument("--seed", type=int, default=0, help="for the arrival times")
     p.add_argument("--json", help="write the results to this path")
-    return p.parse_args(argv)
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
+                   help="objectives (ttft, tpot, e2e in ms) for goodput: successful requests within all of them, "
+                        "per second")
+    args = p.parse_args(argv)
+    try:
+        args.goodput = {key: float(ms) for key, ms in (item.split(":") for item in args.goodput)}
+    except ValueError:
+        p.error("--goodput takes KEY:MS pairs, e.g. ttft:2000 tpot:500")
+    if not set(args.goodput) <= {"ttft", "tpot", "e2e"}:
+        p.error(f"--goodput keys are ttft, tpot and e2e, not {sorted(set(args.goodput) - {'ttft', 'tpot', 'e2e'})}")
+    return args
 
 
 async def one_request(http: httpx.AsyncClient, request: dict) -> dict:
@@ -84,8 +98,19 @@ async def replay(base_url: str, requests: list[dict], rate: float, seed: int) ->
         return results, time.perf_counter() - start
 
 
-def summarize(results: list[dict], duration: float, rate: float) -> dict:
+def tpot(r: dict) -> float | None:
+    return (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) if r["output_tokens"] > 1 else None
+
+
+def within(r: dict, objectives: dict[str, float]) -> bool:
+    """Whether a successful request met every objective (ms); one with a single token has no TPOT."""
+    measured = {"ttft": r["ttft"], "tpot": tpot(r), "e2e": r["e2e"]}
+    return all(measured[key] is None or 1000 * measured[key] <= ms for key, ms in objectives.items())
+
+
+def summarize(results: list[dict], duration: float, rate: float, goodput: dict[str, float]) -> dict:
     ok = [r for r in results if "error" not in r]
+    good = [r for r in ok if within(r, goodput)]
     ms = lambda values: {name: round(1000 * float(f(values)), 2) if len(values) else None for name, f in (
         ("mean", np.mean), ("median", np.median), ("p95", lambda v: np.percentile(v, 95)),
         ("p99", lambda v: np.percentile(v, 99)))}
@@ -99,11 +124,12 @@ def summarize(results: list[dict], duration: float, rate: float) -> dict:
         "output_throughput": round(output_tokens / duration, 1),
         "total_token_throughput": round((prompt_tokens + output_tokens) / duration, 1),
         "ttft_ms": ms([r["ttft"] for r in ok]),
-        "tpot_ms": ms([(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]),
+        "tpot_ms": ms([tpot(r) for r in ok if r["output_tokens"] > 1]),
         "itl_ms": ms([x for r in ok for x in r["itls"]]),
         "e2e_ms": ms([r["e2e"] for r in ok]),
         "errors": sorted({r["error"] for r in results if "error" in r})[:5],
-    }
+    } | ({"goodput_objectives_ms": goodput, "good_requests": len(good), "goodput": round(len(good) / duration, 3)}
+         if goodput else {})
 
 
 def server_compiles(base_url: str) -> float:
@@ -114,8 +140,10 @@ def server_compiles(base_url: str) -> float:
 def print_summary(s: dict) -> None:
     print(f"{'=' * 16} Serving benchmark, request rate {s['request_rate']} {'=' * 16}")
     for key in ("successful_requests", "failed_requests", "duration_s", "total_input_tokens", "total_output_tokens",
-                "request_throughput", "output_throughput", "total_token_throughput", "compiles_during_run"):
-        print(f"{key:<40}{s[key]}")
+                "request_throughput", "output_throughput", "total_token_throughput", "compiles_during_run",
+                "good_requests", "goodput"):
+        if key in s:
+            print(f"{key:<40}{s[key]}")
     for key, title in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token (after the first)"),
                        ("itl_ms", "inter-token latency"), ("e2e_ms", "end-to-end latency")):
         print(f"--- {title} (ms)")
@@ -153,7 +181,7 @@ def main(argv=None) -> list[dict]:
         for rate in args.request_rate or [2.0]:
             compiles = server_compiles(base_url)
             results, duration = asyncio.run(replay(base_url, requests, rate, args.seed))
-            summary = summarize(results, duration, rate)
+            summary = summarize(results, duration, rate, args.goodput)
             summary["compiles_during_run"] = server_compiles(base_url) - compiles
             print_summary(summary)
             summaries.append(summary)

@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-from bench_throughput import add_engine_args, make_engine, run_once, save_json, workload_requests
+from bench_throughput import add_engine_args, make_engine, run_once, workload_requests, write_json
 from paged_jax import LLMEngine, SamplingParams, StructuredOutputsParams
 from paged_jax.core import structured_output
 
@@ -123,8 +123,7 @@ def main(argv=None) -> dict:
                                         / figures["unconstrained"]["output_tokens_per_s"], 3)
     figures["while_compiling"] = steps_while_compiling(engine, requests, plain, args.compile_properties)
     print(json.dumps(figures, indent=2))
-    if args.json:
-        save_json(figures, args.json)
+    write_json(args.json, figures)
     return figures
 
 

@@ -77,11 +77,6 @@ def load_workload(path) -> dict:
     return dict(name="W1", requests=requests)
 
 
-def save_json(figures: dict, path: str) -> None:
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(path).write_text(json.dumps(figures, indent=2))
-
-
 def model_flops(cfg, requests) -> float:
     """Matmul and attention FLOPs the workload needs (logits only for sampled rows)."""
     d, hd = cfg.hidden_size, cfg.head_dim
@@ -219,9 +214,15 @@ def main(argv=None) -> dict:
     if args.profile:
         figures["profile"] = step_profile.profile_run(engine, requests, params, matmul_peak=peak)
         print(step_profile.format_profile(figures["profile"]))
-    if args.json:
-        save_json(figures, args.json)
+    write_json(args.json, figures)
     return figures
+
+
+def write_json(path: str | None, figures: dict) -> None:
+    """The figures as JSON at path (its folder made), when one is given."""
+    if path:
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(path).write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

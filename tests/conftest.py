@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random Hugging Face checkpoints of each supported architecture, the real
 SmolLM2 GGUF (ours and transformers'), greedy decoding by transformers as the reference, a server run
-in a thread on a free localhost port, and faults to inject into an engine step."""
+in a thread on a free localhost port, and faults (or slowness) to inject into an engine step."""
 
 import contextlib
 import functools
@@ -144,6 +144,18 @@ def running_server(app, *, graceful_shutdown_s: float = 5.0):
         server.should_exit = True
         thread.join(60)
         sock.close()
+
+
+def slow_steps(engine, seconds: float) -> None:
+    """Make each of the engine's steps take `seconds` longer (a sleep before the model runs): a known
+    pace, for tests of what happens over time."""
+    execute = engine.runner.execute
+
+    def slow(*args):
+        time.sleep(seconds)
+        return execute(*args)
+
+    engine.runner.execute = slow
 
 
 def fail_on_host(*args):

@@ -27,6 +27,10 @@ def test_wheel_carries_the_cpu_kernel_sources(wheel):
         assert f"kernels_pallas/cpu/{source}" in names
 
 
+def test_wheel_carries_the_dashboard_page(wheel):
+    assert "paged_jax/serving/static/dashboard.html" in zipfile.ZipFile(wheel).namelist()
+
+
 def test_non_editable_install_runs_the_cpu_kernel(wheel, tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, wheel],

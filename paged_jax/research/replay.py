@@ -11,6 +11,7 @@ transfer time.
 import dataclasses
 import json
 import pathlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from paged_jax.core.config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.sequence import Sequence
+from paged_jax.core.snapshot import scheduler_snapshot
 
 # Made-up tokens come from above any real prompt's ids, so they never extend a prompt's cached prefix.
 _TOKEN_BASE = 1 << 20
@@ -98,13 +100,16 @@ class _NoKV:
 
 
 def replay(config: EngineConfig, num_blocks: int, requests: list[Request], cost: StepCost,
-           max_steps: int = 1_000_000, *, numpy_pool: bool = True) -> Replay:
+           max_steps: int = 1_000_000, *, numpy_pool: bool = True,
+           observe: Callable[[float, dict], None] | None = None) -> Replay:
     """Run requests to completion; num_blocks counts the null block, as the engine's pool does.
 
     Every request generates exactly max_tokens tokens (EOS ignored), as the benchmarks here do. The
     pool is checked to be all free (prefix cache dropped) at the end: blocks never leak. The block
     pool's operations run in NumPy (host_pool.py) unless numpy_pool is False: the same decisions, in
-    a fraction of the time of the engine's jitted calls.
+    a fraction of the time of the engine's jitted calls. observe(clock, snapshot), when given, sees
+    the pool and queues after each step (core/snapshot.py's scheduler_snapshot), the step's row in
+    the result recorded just before.
     """
     if config.block_size is None:
         raise ValueError("replay models blocks of a given size: set config.block_size")
@@ -144,6 +149,8 @@ def replay(config: EngineConfig, num_blocks: int, requests: list[Request], cost:
         slots = sum(len(s.block_ids) for s in scheduler.running) * config.block_size
         held = sum(s.num_computed_tokens for s in scheduler.running)
         steps.append((clock, out.num_tokens, len(scheduler.waiting), len(scheduler.running), slots, held))
+        if observe is not None:
+            observe(clock, scheduler_snapshot(scheduler, blocks))
     blocks.reset_prefix_cache()
     if blocks.num_free != num_blocks - 1:
         raise RuntimeError(f"blocks leaked: {num_blocks - 1 - blocks.num_free} still held after the replay")

@@ -15,13 +15,14 @@ nothing queues up behind a slow client.
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -142,6 +143,12 @@ class _Abort:
     reason: str  # "abort" or "timeout", for the metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], object]
+    future: asyncio.Future
+
+
 _STOP = object()
 
 
@@ -171,14 +178,18 @@ class StatLogger:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, max_num_queued_reqs: int | None = None,
-                 stat_loggers: Sequence[StatLogger] = ()):
+                 max_queue_time: float | None = None, stat_loggers: Sequence[StatLogger] = ()):
         """max_num_queued_reqs: how many requests may wait for admission; add_request raises
         QueueFullError beyond it (None: no limit). A request counts as waiting once the requests ahead
-        of it fill max_num_seqs, so a burst into an idle engine is not refused."""
+        of it fill max_num_seqs, so a burst into an idle engine is not refused. max_queue_time: seconds
+        a request may wait for its first admission; then it ends with finish_reason "queue_timeout"."""
         if max_num_queued_reqs is not None and max_num_queued_reqs < 0:
             raise ValueError(f"max_num_queued_reqs must be >= 0, got {max_num_queued_reqs}")
+        if max_queue_time is not None and max_queue_time <= 0:
+            raise ValueError(f"max_queue_time must be positive, got {max_queue_time}")
         self.engine = engine
         self.max_num_queued_reqs = max_num_queued_reqs
+        self.max_queue_time = max_queue_time
         self._stat_loggers = list(stat_loggers)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # The queue cap is checked on the caller's side and kept on the loop's: both under the lock.
@@ -208,6 +219,17 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    def queue_position(self, count: int = 1) -> int:
+        """Where the last of `count` requests added now would stand in the waiting queue (1: first in
+        line; 0: admitted at once, as far as max_num_seqs goes)."""
+        with self._lock:
+            return self._queued(count)
+
+    def _queued(self, count: int = 0) -> int:
+        # Under the lock. Those beyond max_num_seqs (where the pool holds back the queue's head, more wait).
+        held = self._num_running + self._num_waiting + self._num_inbox_adds + count
+        return max(0, held - self.engine.config.max_num_seqs)
+
     # The caller's side (any thread with an event loop).
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -226,8 +248,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         request_id = uuid.uuid4().hex if request_id is None else request_id
         with self._lock:
-            held = self._num_running + self._num_waiting + self._num_inbox_adds
-            waiting = max(0, held - self.engine.config.max_num_seqs)
+            waiting = self._queued()
             if self.max_num_queued_reqs is not None and waiting >= self.max_num_queued_reqs:
                 raise QueueFullError(waiting, retry_after=self._mean_queue_time)
             self._num_inbox_adds += 1
@@ -252,6 +273,15 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """fn(engine), run on the loop's thread between two steps (the engine is not thread-safe), and
+        what it returns or raises. The next step waits for it: keep it quick."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Call(fn, future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks before the next step; its stream ends with finish_reason
         "abort". Unknown ids are ignored."""
@@ -274,6 +304,7 @@ class AsyncLLMEngine:
             while self._take_commands(idle_wait if self.engine.has_unfinished_requests() else None):
                 ran = self.engine.has_unfinished_requests() and self._step()
                 idle_wait = 0 if ran else _IDLE_WAIT_S
+                self._expire_queued()
                 self._publish()
         except BaseException:
             log.exception("the engine loop failed")
@@ -293,6 +324,8 @@ class AsyncLLMEngine:
         while command is not _STOP:
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._run_call(command)
             else:
                 self._drop(command.request_id, command.reason)
             try:
@@ -318,6 +351,21 @@ class AsyncLLMEngine:
             self._num_inbox_adds -= 1
             self._num_waiting += error is None
         self._call(stream, _settle, stream.accepted, error)
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            result, error = command.fn(self.engine), None
+        except Exception as e:
+            result, error = None, e
+        _reply(command.future, error, result)
+
+    def _expire_queued(self) -> None:
+        """End the requests that have waited for their first admission longer than max_queue_time."""
+        if self.max_queue_time is None:
+            return
+        arrived_before = time.monotonic() - self.max_queue_time
+        for request_id in [i for i, live in self._live.items() if not live.scheduled and live.arrival < arrived_before]:
+            self._drop(request_id, "queue_timeout")
 
     def _drop(self, request_id: str, reason: str) -> None:
         """Abort a request the loop holds; its blocks are free before the next step, and its stream
@@ -412,6 +460,8 @@ class AsyncLLMEngine:
                 break
             if isinstance(command, _Add):
                 self._call(command.stream, _settle, command.stream.accepted, EngineDeadError("the engine stopped"))
+            elif isinstance(command, _Call):
+                _reply(command.future, EngineDeadError("the engine stopped"))
         self._publish()
 
     def _post(self, posts: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
@@ -457,12 +507,18 @@ class AsyncLLMEngine:
                 log.exception("stat logger %r failed", logger)
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result: object = None) -> None:
     if not future.done():
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
+
+
+def _reply(future: asyncio.Future, error: BaseException | None, result: object = None) -> None:
+    """From the loop's thread: settle a future of another thread's event loop."""
+    with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody waits
+        future.get_loop().call_soon_threadsafe(_settle, future, error, result)
 
 
 def _put_all(batch: list[tuple[RequestStream, object]]) -> None:

@@ -67,6 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, help="seconds a request may take (requests may ask for less)")
     p.add_argument("--max-tokens-cap", type=int, help="the most tokens one request may ask for")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="request body limit")
+    p.add_argument("--slo-ttft-ms", type=float, help="time-to-first-token objective: counted in goodput, and a request "
+                   "whose predicted queue wait already exceeds it gets 429")
+    p.add_argument("--slo-tpot-ms", type=float, help="time-per-output-token objective, counted in goodput")
+    p.add_argument("--max-queue-time", type=float, help="seconds a request may wait for admission, then 503")
+    p.add_argument("--breaker-threshold", type=int, default=3, help="consecutive failed engine steps that open the "
+                   "circuit breaker: /ready and new requests answer 503 until a step succeeds (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds running requests get to finish")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -96,7 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             served_model_name=args.served_model_name or args.model, model=args.model, api_key=args.api_key,
             max_num_queued_reqs=args.max_num_queued_reqs, request_timeout=args.request_timeout,
             max_tokens_cap=args.max_tokens_cap, max_request_bytes=args.max_request_bytes,
-            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+            slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, max_queue_time=args.max_queue_time,
+            breaker_threshold=args.breaker_threshold, enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser)
     except ValueError as e:
         p.error(str(e))
     return args

@@ -12,8 +12,9 @@ from paged_jax.serving.async_engine import StatLogger
 from paged_jax.serving.stats import IterationStats, SchedulerStats
 
 PREFIX = "paged_jax:"
-FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
-REJECT_CAUSES = ("queue_full", "too_long", "bad_params", "unauthorized", "not_found", "body_too_large")
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "queue_timeout", "error")
+REJECT_CAUSES = ("queue_full", "too_long", "bad_params", "unauthorized", "not_found", "body_too_large",
+                 "slo_admission", "circuit_open")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)

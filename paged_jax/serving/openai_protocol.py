@@ -110,6 +110,12 @@ class SamplingRequest(_Request):
     # paged-jax's own.
     request_timeout: float | None = Field(
         None, gt=0, description="Seconds this request may take, within the server's --request-timeout.")
+    slo_ttft_ms: float | None = Field(
+        None, gt=0, description="This request's time-to-first-token objective in ms, within the server's "
+                                "--slo-ttft-ms: refused (429) when the queue already makes it unattainable.")
+    slo_tpot_ms: float | None = Field(
+        None, gt=0, description="This request's time-per-output-token objective in ms, within the server's "
+                                "--slo-tpot-ms; requests meeting their objectives count as goodput.")
 
 
 class CompletionRequest(SamplingRequest):

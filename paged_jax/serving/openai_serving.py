@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -29,6 +30,9 @@ from paged_jax.core.sampling_params import SamplingParams, StructuredOutputsPara
 from paged_jax.serving import structured_requests, tool_messages
 from paged_jax.serving.structured_requests import RequestConstraint
 from paged_jax.serving.tool_parsers import ToolCallStream
+
+if TYPE_CHECKING:  # slo.py builds on this module's errors
+    from paged_jax.serving.slo import SloGuard
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +119,14 @@ class _Prompt:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, *, max_tokens_cap: int | None = None,
-                 request_timeout: float | None = None, auto_tool_parser: str | None = None):
+                 request_timeout: float | None = None, guard: "SloGuard | None" = None,
+                 auto_tool_parser: str | None = None):
         """max_tokens_cap: the most tokens one request may ask for. request_timeout: seconds a request
-        may take at most (each request may ask for less). auto_tool_parser: the tool_parsers.PARSERS
-        name tool_choice "auto" reads calls with (None: "auto" is refused)."""
+        may take at most (each request may ask for less). guard: latency objectives (slo.py).
+        auto_tool_parser: the tool_parsers.PARSERS name tool_choice "auto" reads calls with (None:
+        "auto" is refused)."""
         self.engine = engine
+        self.guard = guard
         self.model_name = model_name
         self.max_tokens_cap = max_tokens_cap
         self.request_timeout = request_timeout
@@ -388,11 +395,13 @@ class OpenAIServing:
             check_priority(self.engine.engine.config.scheduling_policy, request.priority)
         except ValueError as e:
             raise bad_request(str(e), "priority") from e
+        admission = None if self.guard is None else self.guard.admit(request, len(prompts))
         streams = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                streams.append(await self.engine.add_request(prompt.token_ids, p, f"{response_id}-{i}",
-                                                             timeout=timeout, priority=request.priority))
+                stream = await self.engine.add_request(prompt.token_ids, p, f"{response_id}-{i}", timeout=timeout,
+                                                       priority=request.priority)
+                streams.append(stream if admission is None else admission.watch(stream))
         except BaseException as e:
             for stream in streams:
                 stream.close()
@@ -480,6 +489,8 @@ async def _ending(events: AsyncIterator[str]) -> AsyncIterator[str]:
                 yield event
     except EngineStepError as e:
         yield sse(_engine_error(e).response())
+    except APIError as e:  # after the status line: a queue timeout (slo.py), say
+        yield sse(e.response())
     except Exception as e:
         log.exception("a streamed response failed")
         yield sse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").response())

@@ -3,8 +3,9 @@
     app = build_app(LLMEngine.from_pretrained("smollm2-135m"), ServerConfig(served_model_name="smollm2-135m"))
 
 POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics,
-/version. The engine loop starts with the app (its lifespan) and stops with it. Every error answers
-with OpenAI's error body, so the official client raises its typed exceptions.
+/version, and guardrails.py's /ready and /dashboard. The engine loop starts with the app (its lifespan)
+and stops with it. Every error answers with OpenAI's error body, so the official client raises its
+typed exceptions.
 """
 
 import asyncio
@@ -23,6 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_jax.serving.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from paged_jax.serving.dashboard import PATHS as DASHBOARD_PATHS
+from paged_jax.serving.guardrails import add_guardrails
 from paged_jax.core.engine import LLMEngine
 from paged_jax.serving.metrics import PrometheusMetrics
 from paged_jax.serving.openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -51,12 +54,17 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds; each request may ask for less
     max_tokens_cap: int | None = None  # the most tokens one request may ask for
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    slo_ttft_ms: float | None = None  # time to first token objective (slo.py)
+    slo_tpot_ms: float | None = None  # time per output token objective
+    max_queue_time: float | None = None  # seconds a request may wait for admission, then 503
+    breaker_threshold: int = 3  # consecutive failed steps that open the circuit breaker
     # tool_choice "auto": the model's calls are read with this tool_parsers.PARSERS format.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
 
     def __post_init__(self):
-        for name in ("max_num_queued_reqs", "request_timeout", "max_tokens_cap", "max_request_bytes"):
+        for name in ("max_num_queued_reqs", "request_timeout", "max_tokens_cap", "max_request_bytes", "slo_ttft_ms",
+                     "slo_tpot_ms", "max_queue_time", "breaker_threshold"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -79,11 +87,14 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine = AsyncLLMEngine(engine, max_num_queued_reqs=config.max_num_queued_reqs, stat_loggers=[metrics])
+        async_engine = AsyncLLMEngine(engine, max_num_queued_reqs=config.max_num_queued_reqs,
+                                      max_queue_time=config.max_queue_time,
+                                      stat_loggers=[metrics, *guardrails.stat_loggers])
+        guardrails.bind(async_engine)
         app.state.engine = async_engine
         app.state.serving = OpenAIServing(
             async_engine, config.served_model_name, max_tokens_cap=config.max_tokens_cap,
-            request_timeout=config.request_timeout,
+            request_timeout=config.request_timeout, guard=guardrails.guard,
             auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None)
         try:
             yield
@@ -94,6 +105,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="paged-jax", version=VERSION, lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions over the paged-jax engine.")
     app.add_middleware(_BodyLimit, max_bytes=config.max_request_bytes, on_reject=lambda: metrics.reject("body_too_large"))
+    guardrails = add_guardrails(app, registry, config, metrics)
     protected = []
     if config.api_key:
         # Checked first, before a body is read; the dependency only documents the scheme in /openapi.json.
@@ -261,13 +273,17 @@ def _validation_error(error: RequestValidationError) -> APIError:
 class _ApiKey:
     """Refuses requests without `Authorization: Bearer <key>` with 401, except on the open paths."""
 
-    OPEN = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+    OPEN = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+                      "/redoc"})
+    # The dashboard checks the key itself, taking it from a query parameter or cookie too: a browser's
+    # EventSource cannot send the header.
+    PASSED = OPEN | DASHBOARD_PATHS
 
     def __init__(self, app, key: str, on_reject):
         self.app, self.key, self.on_reject = app, key.encode(), on_reject
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.OPEN:
+        if scope["type"] != "http" or scope["path"] in self.PASSED:
             return await self.app(scope, receive, send)
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):

@@ -1,15 +1,17 @@
 """AsyncLLMEngine on a tiny model: the tokens LLM.generate gives, aborts and timeouts that free their
-blocks within a step or two, the waiting-queue cap, and a failing step that fails only the requests it
-held while the loop serves on."""
+blocks within a step or two, the waiting-queue cap, a failing step that fails only the requests it
+held while the loop serves on, and calls run on the loop's thread."""
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import pytest
 
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
-from paged_jax.serving.async_engine import AsyncLLMEngine, EngineStepError, QueueFullError, StatLogger
+from paged_jax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError,
+                                            StatLogger)
 
 OPTIONS = dict(block_size=16, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=256)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -190,3 +192,28 @@ def test_priority_orders_the_waiting_requests(engine, tiny_chat_model):
     finally:
         prioritised.shutdown()
     assert done == ["p0", "p1", "p2"]
+
+
+def test_call_runs_on_the_loop_thread_between_steps(engine, tiny_chat_model):
+    def where(llm_engine):
+        assert llm_engine is engine.engine
+        return threading.current_thread().name, llm_engine.has_unfinished_requests()
+
+    def fails(_):
+        raise KeyError("from the loop")
+
+    async def run():
+        assert await engine.call(where) == ("paged-jax-engine", False)  # an idle loop wakes for it
+        busy = asyncio.ensure_future(final(engine, [5] * 8, SamplingParams(temperature=0.0, max_tokens=40,
+                                                                          ignore_eos=True)))
+        await wait_until(lambda: engine.scheduler_stats.num_running == 1)
+        assert await engine.call(where) == ("paged-jax-engine", True)
+        with pytest.raises(KeyError, match="from the loop"):
+            await engine.call(fails)
+        await busy
+
+    asyncio.run(run())
+    stopped = AsyncLLMEngine(make_engine(tiny_chat_model))
+    stopped.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(stopped.call(where))
