@@ -1,7 +1,11 @@
 """LLMEngine: requests in, incremental outputs out, one scheduling decision and one model call a step.
 
 A server drives it from a background loop (add_request / abort_request from request handlers, step in
-the loop); LLM (llm.py) drives it to completion for offline batches.
+the loop); LLM (llm.py) drives it to completion for offline batches. What a front end may use is
+`limits`, `add_request` (which checks everything and raises RequestError), `abort_request`,
+`has_unfinished_requests` / `num_unfinished_requests`, `step`, `stats()`, `tokenizer` and `grammars`
+(structured outputs' compiler, to compile a constraint before adding its request); the scheduler,
+the block manager and the runner are the engine's own.
 """
 
 import dataclasses
@@ -17,45 +21,24 @@ from jax.sharding import Mesh
 import models
 from models.loader import cache_dir, shard_model
 from models.sharding import make_mesh
-from paged_jax.core import beam_search, distributed
+from paged_jax.core import beam_search, distributed, output_processor, validation
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig, default_device, default_dtype, resolve
+from paged_jax.core.engine_stats import EngineStats
+from paged_jax.core.errors import RequestError
 from paged_jax.core.model_runner import ModelRunner
-from paged_jax.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from paged_jax.core.policy import check_priority
-from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from paged_jax.core.outputs import RequestOutput
+from paged_jax.core.request import Request
+from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from paged_jax.core.sequence import Sequence
+from paged_jax.core.stop_checker import check_stop
 from paged_jax.core.structured_output import AwaitingGrammar, GrammarCompiler
+from paged_jax.core.validation import EngineLimits
 
 logger = logging.getLogger(__name__)
 
 _MAX_SEED = 2**31 - 1
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]  # live beams, for beam search
-    arrival_time: float
-    hypotheses: list[beam_search.Hypothesis] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    num_preemptions: int
-    num_compiles: int
-    peak_blocks_in_use: int
-    prefix_cache_hit_blocks: int
-    prefix_cache_queried_blocks: int
-    attention_backend: str
-    attention_backend_reason: str
-    matmul_backend: str
-    matmul_backend_reason: str
-    num_batched_tokens: int  # tokens run through the model so far (prompt chunks and decodes)
 
 
 def _enable_compilation_cache() -> None:
@@ -114,7 +97,7 @@ class LLMEngine:
                          GrammarCompiler(tokenizer, model_config.vocab_size, model_config.eos_token_ids))
         # Constrained requests wait here, outside the scheduler, until their grammar has compiled.
         self.awaiting_grammar = AwaitingGrammar()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._seeds = itertools.count(self.config.seed * 1_000_003)
@@ -133,45 +116,30 @@ class LLMEngine:
         loaded = models.load_model(model, dtype=jnp.dtype(dtype), mesh=_mesh(config))
         return cls(loaded.model, loaded.config, loaded.tokenizer, config)
 
-    # Requests.
+    # The surface a front end uses: limits, add (checked), abort, step, stats.
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(max_model_len=self.resolved.max_model_len, vocab_size=self.model_config.vocab_size,
+                            max_num_seqs=self.config.max_num_seqs, scheduling_policy=self.config.scheduling_policy)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queue a prompt (text or token ids). Everything is checked here, never inside a step.
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a prompt (text or token ids). Everything is checked here, never inside a step: a
+        refused request raises RequestError (validation.py) and leaves the engine as it was.
 
         priority: under scheduling_policy "priority", lower runs first; any other policy refuses a
-        priority other than 0 (as vLLM does), rather than silently ignoring it."""
+        priority other than 0 (as vLLM does), rather than silently ignoring it. arrival_time: when the
+        request reached a front end (time.monotonic()), so that its metrics count the time it spent
+        there; now when None."""
         params = params or SamplingParams()
-        check_priority(self.config.scheduling_policy, priority)
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.use_beam_search:
-            if 2 * params.n > MAX_LOGPROBS:
-                raise ValueError(f"beam width n={params.n} is above {MAX_LOGPROBS // 2}: each beam proposes 2n tokens "
-                                 f"from the sampler's top {MAX_LOGPROBS} logprobs")
-            if params.stop:
-                raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
+        limits = self.limits
+        validation.check_request(prompt, params, priority, limits, has_tokenizer=self.tokenizer is not None)
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if self.tokenizer is None and (isinstance(prompt, str) or params.stop or params.structured_outputs):
-            raise ValueError("this model has no tokenizer: give prompts as token ids, no stop strings and no "
-                             "structured outputs")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, [int(t) for t in prompt]
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if not all(0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        limit = self.resolved.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"prompt of {len(token_ids)} tokens is too long: max_model_len is {limit} "
-                f"(the prompt and at least one generated token must fit)"
-            )
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        validation.check_prompt(token_ids, limits)
         seed = params.seed if params.seed is not None else next(self._seeds) % _MAX_SEED
         seq_id = next(self._seq_ids)
         # A request with n samples reserves n consecutive sequence ids for its forks.
@@ -179,11 +147,12 @@ class LLMEngine:
             next(self._seq_ids)
         # Beams ask the sampler for their 2n best proposals; n samples fork once the prompt is computed.
         seq_params = dataclasses.replace(params, logprobs=2 * params.n) if params.use_beam_search else params
-        now = time.monotonic()
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(seq_id=seq_id, request_id=request_id, token_ids=list(token_ids),
-                       num_prompt_tokens=len(token_ids), params=seq_params, seed=seed,
-                       arrival_time=now, priority=priority, forks=1 if params.use_beam_search else params.n)
-        self._requests[request_id] = _Request(request_id, text, list(token_ids), params, [seq], now)
+                       num_prompt_tokens=len(token_ids), params=seq_params, seed=seed, arrival_time=arrival_time,
+                       priority=priority, forks=1 if params.use_beam_search else params.n)
+        self._requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
+                                             list(token_ids), params, [seq], arrival_time, self.tokenizer)
         if params.structured_outputs is None:
             self.scheduler.add(seq)
         else:
@@ -207,10 +176,9 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
-    # The step.
-
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; outputs for the requests that advanced.
+        """Schedule, run the model once, sample; outputs for the requests that advanced (each as its
+        SamplingParams.output_kind asks: a FINAL_ONLY request has one, when it finishes).
 
         If anything in a step fails (a bug, an input no check caught), step() does not raise: the
         error is logged, and the requests in the step end at once with their blocks freed, each with a
@@ -220,10 +188,11 @@ class LLMEngine:
         """
         refused = self._admit_compiled()
         requests = dict(self._requests)  # as they stood before the step, in case it fails
+        start = time.monotonic()
         out = None
         try:
             out = self.scheduler.schedule()
-            return refused + self._run(out)
+            return refused + self._run(out, start)
         except Exception as error:
             logger.exception("an engine step failed; its requests end with an error")
             seqs = self.scheduler.running if out is None else [*(s.seq for s in out.scheduled), *out.forked]
@@ -241,7 +210,7 @@ class LLMEngine:
             outputs += self._fail([seq.request_id], self._requests, error)
         return outputs
 
-    def _fail(self, request_ids: list[str], requests: dict[str, _Request], error: Exception) -> list[RequestOutput]:
+    def _fail(self, request_ids: list[str], requests: dict[str, Request], error: Exception) -> list[RequestOutput]:
         """End the given requests with an error, and leave the engine fit to serve the others."""
         now = time.monotonic()
         # Swept from the queues, not taken from the requests: a step that failed may have forked
@@ -252,29 +221,28 @@ class LLMEngine:
         outputs = []
         for request in (requests[i] for i in request_ids if i in requests):
             self._requests.pop(request.request_id, None)
-            # No text: decoding may be what failed.
-            completions = [CompletionOutput(s.index, "", list(s.output_token_ids), s.cumulative_logprob, None, "error")
-                           for s in request.seqs]
-            metrics = self._metrics(request, now, max((len(c.token_ids) for c in completions), default=0))
-            outputs.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                                         True, metrics, error=f"{type(error).__name__}: {error}"))
+            outputs.append(output_processor.failed_output(request, error, now))
         if self.runner.restore_kv_cache():
             # The failure took every block's content with it: nothing computed may be read again.
             self.scheduler.recompute_all()
             self.blocks.reset_prefix_cache()
         return outputs
 
-    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
+    def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
         self.num_batched_tokens += out.num_tokens
         for child in out.forked:
             self._requests[child.request_id].seqs.append(child)
         if not out.scheduled:
             return []
         scheduled = out.scheduled
+        for s in scheduled:
+            request = self._requests[s.seq.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = start
         sampled = self.runner.execute(scheduled, out.copies)
         self._track_peak(scheduled)
         now = time.monotonic()
-        touched: dict[str, _Request] = {}
+        touched: dict[str, Request] = {}
         for row, s in enumerate(scheduled):
             seq, samples = s.seq, s.samples
             seq.num_computed_tokens += s.num_new_tokens
@@ -287,45 +255,19 @@ class LLMEngine:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
             else:
-                self._append_token(seq, sampled, row, now)
+                self._append_token(request, seq, sampled, row, now)
+        outputs = []
         for request in touched.values():
             if request.params.use_beam_search and all(b.beam_candidates is not None for b in request.seqs):
-                self._advance_beams(request, now)
-        return [self._output(r) for r in touched.values()]
-
-    def _advance_beams(self, request: _Request, now: float) -> None:
-        params = request.params
-        beams = request.seqs
-        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        banned = ending if beams[0].num_output_tokens < params.min_tokens else set()
-        selection = beam_search.select(beams, params.n, frozenset(ending), frozenset(banned))
-        request.hypotheses += selection.finished
-        # Forks first, while every parent still holds the tokens its children continue from.
-        continuing, live = set(), []
-        for parent, token, total in selection.survivors:
-            if parent.seq_id in continuing:
-                child = self.scheduler.fork(parent, seq_id=next(self._seq_ids), index=len(live))
-            else:
-                continuing.add(parent.seq_id)
-                child = parent
-            live.append((child, token, total))
-        for beam in beams:
-            if beam.seq_id not in continuing:
-                self.scheduler.finish(beam)
-        request.seqs = []
-        for index, (beam, token, total) in enumerate(live):
-            beam.token_ids.append(token)
-            beam.cumulative_logprob, beam.index, beam.beam_candidates = total, index, None
-            request.seqs.append(beam)
-        lead = request.seqs[0] if request.seqs else None
-        at_length = lead is None or lead.num_output_tokens >= params.max_tokens or lead.num_tokens >= self.resolved.max_model_len
-        if at_length or len(request.hypotheses) >= params.n:
-            for beam in request.seqs:
-                if at_length:
-                    request.hypotheses.append(beam_search.Hypothesis(
-                        tuple(beam.output_token_ids), beam.cumulative_logprob, "length"))
-                beam.finish_time = now
-                self.scheduler.finish(beam)
+                request.seqs = beam_search.advance(request.seqs, request.params, request.hypotheses, self.scheduler,
+                                                   lambda: next(self._seq_ids), self.eos_token_ids,
+                                                   self.resolved.max_model_len, now)
+            output = output_processor.request_output(request, now)
+            if request.finished:
+                del self._requests[request.request_id]
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def _track_peak(self, scheduled: list[ScheduledSeq]) -> None:
         """Peak blocks held by sequences, and the share of their slots holding real tokens."""
@@ -335,7 +277,7 @@ class LLMEngine:
             held = sum(s.num_new_tokens for s in scheduled) + sum(s.num_computed_tokens for s in self.scheduler.running)
             self.peak_slot_fill = held / (in_use * self.resolved.block_size)
 
-    def _append_token(self, seq: Sequence, sampled, row: int, now: float) -> None:
+    def _append_token(self, request: Request, seq: Sequence, sampled, row: int, now: float) -> None:
         token = int(sampled.tokens[row])
         seq.token_ids.append(token)
         if seq.first_token_time is None:
@@ -346,97 +288,28 @@ class LLMEngine:
                 entry.setdefault(int(tid), float(lp))
             seq.logprobs.append(entry)
         seq.cumulative_logprob += float(sampled.logprobs[row])
+        text = request.sample(seq).text
+        text.add(token)
         if seq.guide is not None and not seq.guide.accept(token):
             # The sampler drew from what the grammar allowed: a refusal is the matcher failing (a limit hit).
             logger.error("request %s: the constraint's matcher refused token %d: %s", seq.request_id, token,
                          seq.guide.error)
             reason = "error", None
         else:
-            reason = self._stop_reason(seq, token)
+            reason = check_stop(seq, token, text, self.eos_token_ids, self.resolved.max_model_len)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
             seq.finish_time = now
             self.scheduler.finish(seq)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
-        params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return "stop", token
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            stop = self._find_stop(seq) if params.stop else None
-            if stop is not None:
-                return "stop", stop
-        if seq.guide is not None and seq.guide.finished:
-            return "stop", None  # the grammar admits nothing more
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.resolved.max_model_len:
-            return "length", None
-        return None
-
-    def _find_stop(self, seq: Sequence) -> str | None:
-        """The stop string that occurs first in the output text, or None."""
-        text = self._decode(seq.output_token_ids)
-        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
-        return min(hits)[1] if hits else None
-
-    def _decode(self, token_ids: list[int]) -> str:
-        # A model loaded without tokenizer files speaks token ids only.
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _output(self, request: _Request) -> RequestOutput:
-        if request.params.use_beam_search:
-            return self._beam_output(request)
-        completions = []
-        for seq in sorted(request.seqs, key=lambda s: s.index):
-            text = self._decode(seq.output_token_ids)
-            if isinstance(seq.stop_reason, str):
-                text = text[: text.find(seq.stop_reason)]
-            completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        finished = len(completions) == request.params.n and all(c.finished for c in completions)
-        if finished:
-            del self._requests[request.request_id]
-        last = [s.finish_time for s in request.seqs if s.finish_time is not None]
-        metrics = self._metrics(request, max(last) if finished and last else None,
-                                max(s.num_output_tokens for s in request.seqs))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             finished, metrics)
-
-    def _beam_output(self, request: _Request) -> RequestOutput:
-        """The live beams while the search runs; the best n hypotheses once it is over."""
-        finished = all(b.is_finished for b in request.seqs)
-        if finished:
-            ranked = beam_search.best(request.hypotheses, request.params.n, request.params.length_penalty)
-            completions = [CompletionOutput(i, self._decode(list(h.token_ids)), list(h.token_ids), h.cumulative_logprob,
-                                            None, h.finish_reason, h.stop_reason) for i, h in enumerate(ranked)]
-            del self._requests[request.request_id]
-        else:
-            completions = [CompletionOutput(b.index, self._decode(b.output_token_ids), list(b.output_token_ids),
-                                            b.cumulative_logprob, None, None) for b in request.seqs]
-        metrics = self._metrics(request, time.monotonic() if finished else None,
-                                max((len(c.token_ids) for c in completions), default=0))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, metrics)
-
-    @staticmethod
-    def _metrics(request: _Request, finish_time: float | None, num_output_tokens: int) -> RequestMetrics:
-        first = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
-        return RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_token_time=min(first) if first else None,
-            finish_time=finish_time,
-            num_output_tokens=num_output_tokens,
-            num_prefix_hit_tokens=request.seqs[0].num_prefix_hit_tokens if request.seqs else 0,
-            num_preemptions=sum(s.num_preemptions for s in request.seqs))
-
-    # Introspection.
-
     def stats(self) -> EngineStats:
-        cache = self.blocks.cache
+        cache, blocks = self.blocks.cache, self.blocks
+        # A constrained request whose grammar still compiles waits too, outside the scheduler.
+        waiting = len({seq.request_id for seq in self.scheduler.waiting} | self.awaiting_grammar.request_ids)
         return EngineStats(
+            num_running_requests=len(self._requests) - waiting, num_waiting_requests=waiting,
+            num_blocks=blocks.num_blocks - 1, num_free_blocks=blocks.num_free, num_cached_blocks=blocks.num_evictable,
+            block_size=self.resolved.block_size,
             num_preemptions=self.scheduler.num_preemptions,
             num_compiles=self.runner.num_compiles,
             peak_blocks_in_use=self.peak_blocks_in_use,

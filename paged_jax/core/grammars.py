@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 
 from llguidance import LLMatcher, grammar_from
 
+from paged_jax.core.errors import RequestError
 from paged_jax.core.sampling_params import StructuredOutputsParams
 
 # JSON written as json.dumps writes it: small models given free whitespace tend to write newlines
@@ -24,8 +25,11 @@ _SUBSCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SUBSCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-class GrammarError(ValueError):
+class GrammarError(RequestError):
     """A constraint that cannot be compiled: a bad schema, regex or grammar, or one llguidance lacks."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "structured_outputs")
 
 
 def cache_key(so: StructuredOutputsParams) -> str:

@@ -1,12 +1,13 @@
 """LLM: the offline API. Give it prompts, get one RequestOutput per prompt back, in order."""
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import RequestOutput
-from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -41,7 +42,8 @@ class LLM:
         """prompts: a text, a list of token ids, or a list of either. sampling_params: one for all, or
         one per prompt. priority: one per prompt, for scheduling_policy "priority" (lower runs first).
         Every request is checked before any runs: one bad prompt, or a constraint that does not compile
-        (a GrammarError, a ValueError), fails the call and leaves the engine as it was."""
+        (a GrammarError, a ValueError), fails the call and leaves the engine as it was. Each output is
+        whole, whatever output_kind the params ask for."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -57,7 +59,8 @@ class LLM:
         ids = []
         try:
             for prompt, params, rank in zip(prompts, sampling_params, priority):
-                ids.append(self.engine.add_request(prompt, params, priority=rank))
+                whole = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(self.engine.add_request(prompt, whole, priority=rank))
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)

@@ -1,4 +1,10 @@
-"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes.
+
+What an output holds follows its request's SamplingParams.output_kind: everything so far
+(CUMULATIVE), what is new since the request's previous output (DELTA: the new text, token ids and
+logprobs; a sample with nothing new is left out), or everything once, when the request finishes
+(FINAL_ONLY). RequestOutput.add folds a later delta into an output.
+"""
 
 import dataclasses
 
@@ -18,6 +24,20 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def copy(self) -> "CompletionOutput":
+        """A copy whose lists are its own."""
+        return dataclasses.replace(self, token_ids=list(self.token_ids),
+                                   logprobs=None if self.logprobs is None else list(self.logprobs))
+
+    def add(self, delta: "CompletionOutput") -> None:
+        """Append what a later DELTA output of this sample holds."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if self.logprobs is not None and delta.logprobs is not None:
+            self.logprobs.extend(delta.logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
 
 @dataclasses.dataclass
 class RequestMetrics:
@@ -27,6 +47,7 @@ class RequestMetrics:
     num_output_tokens: int
     num_prefix_hit_tokens: int
     num_preemptions: int
+    first_scheduled_time: float | None = None  # when the request first left the waiting queue
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -50,3 +71,14 @@ class RequestOutput:
     # Set when the request failed inside a step (its completions' finish_reason is then "error"):
     # the exception's type and message. The engine logs the traceback and serves the other requests.
     error: str | None = None
+
+    def add(self, delta: "RequestOutput") -> None:
+        """Fold a later DELTA output of this request into this one (which then holds both)."""
+        samples = {c.index: c for c in self.outputs}
+        for c in delta.outputs:
+            if c.index in samples:
+                samples[c.index].add(c)
+            else:
+                self.outputs.append(c.copy())
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished, self.metrics, self.error = delta.finished, delta.metrics, delta.error

@@ -17,6 +17,7 @@ lowest key is admitted first and the running sequence with the highest key is pr
 
 from collections.abc import Callable
 
+from paged_jax.core.errors import RequestError
 from paged_jax.core.sequence import Sequence
 
 POLICIES = ("fcfs", "priority", "shortest_prompt_first")
@@ -40,4 +41,5 @@ def sort_key(policy: str) -> SortKey | None:
 def check_priority(policy: str, priority: int) -> None:
     """Refuse a priority the policy would ignore (any but 0 outside "priority"), as vLLM does."""
     if priority != 0 and policy != "priority":
-        raise ValueError(f"priority {priority} given, but scheduling_policy is {policy!r}, not 'priority'")
+        raise RequestError(f"priority {priority} given, but scheduling_policy is {policy!r}, not 'priority'",
+                           "priority")

@@ -1,16 +1,27 @@
 """What a request asks of the sampler: vLLM's `SamplingParams`, names, defaults and checks."""
 
 import dataclasses
+import enum
 import json
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from paged_jax.core.errors import RequestError
 
 # Temperatures below this are greedy, as in vLLM: dividing by them would overflow float32 logits.
 SAMPLING_EPS = 1e-5
 # Most top logprobs a request may ask for (vLLM's default `max_logprobs`); the sampler always
 # computes this many when any row asks, so the compiled shape does not depend on the request.
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far: the whole text, every token id
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, once the request has finished
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,8 +74,9 @@ class SamplingParams:
     top_k -1 or 0 turns top-k off (both spellings are vLLM's; 0 is stored as -1). `stop` is stored as
     a tuple of strings and `stop_token_ids` as a tuple of ints. With `use_beam_search` the beam width
     is `n` and the search is deterministic, so temperature must be 0 and top_p/top_k/min_p off.
-    `seed` is any int; without one the engine draws a seed for the request. `structured_outputs`
-    constrains the output to a schema, regex, choice or grammar (not with beam search).
+    `seed` is any int; without one the engine draws a seed for the request. `output_kind` says what
+    each of the request's outputs holds (RequestOutputKind). `structured_outputs` constrains the output
+    to a schema, regex, choice or grammar (not with beam search).
     """
 
     n: int = 1
@@ -84,6 +96,7 @@ class SamplingParams:
     logprobs: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
@@ -165,4 +178,4 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _bad(name: str, value, why: str):
-    raise ValueError(f"{name} {why}, got {value!r}")
+    raise RequestError(f"{name} {why}, got {value!r}", name)

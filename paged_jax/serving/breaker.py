@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.serving.async_engine import AsyncLLMEngine, StatLogger
 from paged_jax.serving.metrics import PREFIX
-from paged_jax.serving.openai_serving import APIError
+from paged_jax.serving.openai_errors import APIError
 from paged_jax.serving.stats import IterationStats, SchedulerStats
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 from paged_jax.core.snapshot import STATE_NAMES, block_states, num_used_blocks, pool_snapshot
 from paged_jax.serving.async_engine import AsyncLLMEngine, EngineDeadError, StatLogger
 from paged_jax.serving.metrics import PREFIX
-from paged_jax.serving.openai_serving import APIError
+from paged_jax.serving.openai_errors import APIError
 from paged_jax.serving.rolling import Rolling
 from paged_jax.serving.stats import IterationStats, SchedulerStats
 

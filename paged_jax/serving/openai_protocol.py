@@ -8,7 +8,6 @@ naming it (unless sent with its "off" value, as some clients do), any other unkn
 """
 
 import time
-import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
@@ -37,10 +36,6 @@ Text = Annotated[str, Field(min_length=1)]
 Prompt = Annotated[
     Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)],
     one_of("a non-empty text, a non-empty list of token ids (ints >= 0), or a non-empty list of either")]
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class OpenAIModel(BaseModel):

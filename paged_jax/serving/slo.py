@@ -29,7 +29,7 @@ from paged_jax.core.outputs import RequestOutput
 from paged_jax.serving.async_engine import AsyncLLMEngine, RequestStream, StatLogger
 from paged_jax.serving.metrics import PREFIX
 from paged_jax.serving.openai_protocol import SamplingRequest
-from paged_jax.serving.openai_serving import APIError, bad_request
+from paged_jax.serving.openai_errors import APIError, bad_request
 from paged_jax.serving.stats import IterationStats, SchedulerStats
 
 _RATE_TIME_CONSTANT_S = 30.0
@@ -97,7 +97,7 @@ class SloGuard(StatLogger):
               registry=registry).labels(**labels).set_function(lambda: self.rate.per_second or 0.0)
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
-        full = scheduler.num_waiting > 0 or scheduler.num_running >= self.engine.engine.config.max_num_seqs
+        full = scheduler.num_waiting > 0 or scheduler.num_running >= self.engine.limits.max_num_seqs
         served = sum(r.finish_reason in ("stop", "length") for r in iteration.finished)
         self.rate.observe(time.monotonic(), served, full)
 

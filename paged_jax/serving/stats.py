@@ -1,11 +1,15 @@
 """What the serving loop saw, handed to stat loggers once per loop iteration (vLLM's split):
-`SchedulerStats`, the engine's state after the iteration, and `IterationStats`, what happened in it.
+`SchedulerStats`, the engine's state after the iteration, and `IterationStats`, what happened in it;
+and how the loop counts them, from the engine's stats() and each request's outputs (RequestTally).
 
 The engine's own counters (preemptions, prefix-cache lookups, compiles) are cumulative here, as the
 engine keeps them; a logger that exports increments takes differences.
 """
 
 import dataclasses
+
+from paged_jax.core.engine_stats import EngineStats
+from paged_jax.core.outputs import RequestOutput
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,3 +57,59 @@ class IterationStats:
     inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
     queue_times: list[float] = dataclasses.field(default_factory=list)  # requests first scheduled
     finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
+
+
+class StatLogger:
+    """What the loop calls after every iteration, on its own thread: keep it quick."""
+
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+        raise NotImplementedError
+
+
+def scheduler_stats(stats: EngineStats, num_queued: int) -> SchedulerStats:
+    """SchedulerStats from the engine's; num_queued: the requests waiting, those the engine has not
+    been handed yet included."""
+    return SchedulerStats(
+        num_running=stats.num_running_requests, num_waiting=num_queued, num_blocks=stats.num_blocks,
+        num_free_blocks=stats.num_free_blocks, num_cached_blocks=stats.num_cached_blocks,
+        num_preemptions=stats.num_preemptions,
+        prefix_cache_queries=stats.prefix_cache_queried_blocks * stats.block_size,
+        prefix_cache_hits=stats.prefix_cache_hit_blocks * stats.block_size,
+        num_compiles=stats.num_compiles, num_batched_tokens=stats.num_batched_tokens)
+
+
+@dataclasses.dataclass(eq=False)
+class RequestTally:
+    """What the loop has counted of one request the engine holds, from its DELTA outputs."""
+
+    max_tokens: int
+    n: int
+    num_prompt_tokens: int  # 0 for a text prompt until its first output shows the token ids
+    num_generation_tokens: int = 0
+    scheduled: bool = False
+    last_token_time: float | None = None
+
+    def observe(self, out: RequestOutput, arrival_time: float, now: float, it: IterationStats) -> float | None:
+        """Count a delta output into `it`; the request's time in the queue, the first time an output
+        shows it was scheduled."""
+        queued = None
+        if not self.scheduled and out.metrics.first_scheduled_time is not None:
+            self.scheduled = True
+            queued = out.metrics.first_scheduled_time - arrival_time
+            it.queue_times.append(queued)
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        if generated:
+            if self.last_token_time is None:
+                self.num_prompt_tokens = len(out.prompt_token_ids)
+                it.time_to_first_tokens.append(now - arrival_time)
+                it.num_prompt_tokens += self.num_prompt_tokens
+            else:
+                it.inter_token_latencies.append(now - self.last_token_time)
+            it.num_generation_tokens += generated
+            self.num_generation_tokens += generated
+            self.last_token_time = now
+        return queued
+
+    def finished(self, reason: str, arrival_time: float, now: float) -> FinishedRequestStats:
+        return FinishedRequestStats(reason, now - arrival_time, self.num_prompt_tokens, self.num_generation_tokens,
+                                    self.max_tokens, self.n)

@@ -11,6 +11,7 @@ object. "auto" leaves the model free and reads its calls with the server's --too
 import asyncio
 import dataclasses
 
+from paged_jax.core.errors import RequestError
 from paged_jax.core.grammars import GrammarError
 from paged_jax.core.sampling_params import StructuredOutputsParams
 from paged_jax.core.structured_output import GrammarCompiler
@@ -20,12 +21,8 @@ from paged_jax.serving.structured_protocol import NamedToolChoice
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-class ConstraintError(ValueError):
+class ConstraintError(RequestError):
     """A request whose constraint cannot be: a 400 naming the field at fault."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +73,11 @@ def request_constraint(request, *, auto_tool_parser: str | None) -> RequestConst
     return RequestConstraint(so, tool_parsers.RequiredParser(), (*checks, ("tool_choice", so)), single)
 
 
-async def compiled(grammars: GrammarCompiler, so: StructuredOutputsParams, param: str) -> None:
+async def compiled(grammars: GrammarCompiler | None, so: StructuredOutputsParams, param: str) -> None:
     """Wait for the constraint to compile (on the compiler's thread; the engine then finds it cached);
-    a ConstraintError naming `param` if it cannot."""
+    a ConstraintError naming `param` if it cannot. grammars: None for a model without a tokenizer."""
+    if grammars is None:
+        raise ConstraintError("this model has no tokenizer, which constraints need", param)
     try:
         await asyncio.wrap_future(grammars.submit(so))
     except GrammarError as e:

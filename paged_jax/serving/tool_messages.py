@@ -3,7 +3,7 @@ conversation's earlier calls and tool results as the chat template expects them.
 
 import json
 
-from paged_jax.serving.openai_protocol import random_id
+from paged_jax.serving.openai_base import random_id
 from paged_jax.serving.structured_protocol import (DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut)
 from paged_jax.serving.tool_parsers import ToolCall
 

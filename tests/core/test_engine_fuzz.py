@@ -22,7 +22,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from conftest import fail_in_xla, fail_on_host
 from models import load_model, load_tokenizer
-from paged_jax import EngineConfig, LLMEngine, SamplingParams
+from paged_jax import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from paged_jax.core.sampling_params import RequestOutputKind
 from paged_jax.core.sequence import Status
 
 BLOCK_SIZE = 4
@@ -45,6 +46,7 @@ _rng = np.random.default_rng(8)
 PREFIXES = ((), tuple(_rng.integers(0, VOCAB, 8).tolist()), tuple(_rng.integers(0, VOCAB, 13).tolist()))
 # Pieces that SmolLM2's tokenizer decodes many of the first 320 ids to, so stop strings do hit.
 STOP_STRINGS = ("e", "er", " t", "A", "in")
+CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind
 PENALTIES = ({}, dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.5))
 
 PROMPTS = st.builds(lambda prefix, tail: [*prefix, *tail], st.sampled_from(PREFIXES),
@@ -59,9 +61,11 @@ def sampling_params(draw) -> SamplingParams:
                   stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
                   ignore_eos=draw(st.booleans()), logprobs=draw(st.none() | st.integers(0, 5)),
                   **draw(st.sampled_from(PENALTIES)))
-    if kind == "beam":
-        return SamplingParams(n=draw(st.integers(2, 4)), use_beam_search=True, temperature=0.0, **common)
+    if kind == "beam":  # whose beams have no deltas
+        return SamplingParams(n=draw(st.integers(2, 4)), use_beam_search=True, temperature=0.0,
+                              output_kind=draw(st.sampled_from([CUMULATIVE, FINAL_ONLY])), **common)
     stop = draw(st.lists(st.sampled_from(STOP_STRINGS), max_size=2))
+    common["output_kind"] = draw(st.sampled_from(RequestOutputKind))
     if kind == "greedy":
         return SamplingParams(temperature=0.0, stop=stop, **common)
     return SamplingParams(n=draw(st.integers(1, 4)), temperature=draw(st.sampled_from([0.7, 1.0])),
@@ -83,6 +87,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.loaded, self.tokenizer = loaded, tokenizer
         self.seen = seen  # what the run exercised, over all examples
         self.live: dict[str, SamplingParams] = {}  # accepted requests with no finished output yet
+        self.deltas: dict[str, RequestOutput] = {}  # DELTA requests' outputs so far, folded together
 
     # Every example opens with a workload: left to rules alone, most examples would add nothing.
     @initialize(mode=st.sampled_from(["recompute", "swap"]), prefix_caching=st.booleans(),
@@ -114,6 +119,7 @@ class EngineMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(sorted(self.live)))
         self.engine.abort_request(request_id)
         del self.live[request_id]
+        self.deltas.pop(request_id, None)
 
     @rule(steps=st.integers(1, 8))
     def step(self, steps):
@@ -135,25 +141,37 @@ class EngineMachine(RuleBasedStateMachine):
             assert output.finished and "injected fault" in output.error
             assert {c.finish_reason for c in output.outputs} == {"error"}
             del self.live[output.request_id]
+            self.deltas.pop(output.request_id, None)
             self.seen[f"requests ended by a fault {'in XLA' if in_xla else 'on the host'}"] += 1
         self.references_match_holders()
 
     def _step(self):
         for output in self.engine.step():
             params = self.live[output.request_id]  # never an unknown, aborted or already finished request
+            assert output.finished or params.output_kind is not FINAL_ONLY
+            if params.output_kind is DELTA:
+                if output.request_id in self.deltas:
+                    self.deltas[output.request_id].add(output)
+                output = self.deltas.setdefault(output.request_id, output)
             if output.finished:
                 self._check_finished(output, params)
                 del self.live[output.request_id]
                 kind = "beam search" if params.use_beam_search else "n > 1" if params.n > 1 else "n = 1"
                 self.seen[f"{kind} finished"] += 1
+                self.seen[f"{params.output_kind.name} output finished"] += 1
                 self.seen[f"{kind} finished after a preemption"] += output.metrics.num_preemptions > 0
                 self.seen.update(f"{c.finish_reason} {type(c.stop_reason).__name__}" for c in output.outputs)
         self.references_match_holders()
 
-    @staticmethod
-    def _check_finished(output, params: SamplingParams):
+    def _check_finished(self, output, params: SamplingParams):
+        """Whole outputs (DELTA ones folded together) hold the n completions, each within its limits
+        and with the text a full decode of its tokens gives, cut at its stop string."""
         assert len(output.outputs) == params.n
         for completion in output.outputs:
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            if isinstance(completion.stop_reason, str):
+                text = text[: text.find(completion.stop_reason)]
+            assert completion.text == text
             n = len(completion.token_ids)
             assert completion.finish_reason in ("stop", "length"), completion
             assert n <= params.max_tokens
@@ -211,5 +229,6 @@ def test_engine_survives_a_random_client(tiny_with_tokenizer):
     print(dict(seen))
     for what in ("preemptions by recompute", "preemptions by swap", "n > 1 finished after a preemption",
                  "beam search finished after a preemption", "stop str", "stop int",
-                 "requests ended by a fault on the host", "requests ended by a fault in XLA"):
+                 "requests ended by a fault on the host", "requests ended by a fault in XLA",
+                 "DELTA output finished", "FINAL_ONLY output finished"):
         assert seen[what] > 0, f"the run never saw {what}: {dict(seen)}"

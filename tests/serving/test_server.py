@@ -198,7 +198,7 @@ def test_a_request_whose_output_handling_fails_fails_alone(app, base, client, mo
     def broken(*args):
         raise RuntimeError("broken")
 
-    monkeypatch.setattr(app.state.serving, "_chat_logprobs", broken)
+    monkeypatch.setattr(app.state.serving.logprobs, "chat", broken)
     body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True)
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
