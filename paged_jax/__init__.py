@@ -8,6 +8,12 @@ The engine classes load lazily, so `import paged_jax.core.block_pool` stays ligh
 
 import importlib
 
+from paged_jax import siblings
+
+# Before anything imports them: `models` and `kernels_pallas` are the project's, whatever folders or
+# files of those names lie where the user works (siblings.py).
+siblings.install()
+
 _EXPORTS = {
     "LLM": "paged_jax.core.llm",
     "LLMEngine": "paged_jax.core.engine",
@@ -15,8 +21,8 @@ _EXPORTS = {
     "AsyncLLM": "paged_jax.serving.async_engine",
     "EngineConfig": "paged_jax.core.config",
     "SamplingParams": "paged_jax.core.sampling_params",
-    "RequestOutputKind": "paged_jax.core.sampling_params",
     "StructuredOutputsParams": "paged_jax.core.sampling_params",
+    "RequestOutputKind": "paged_jax.core.sampling_params",
     "RequestOutput": "paged_jax.core.outputs",
     "CompletionOutput": "paged_jax.core.outputs",
 }

@@ -88,7 +88,7 @@ def steps_while_compiling(engine: LLMEngine, requests, params, properties: int) 
     for _ in range(3):  # prompts in, decoding under way
         engine.step()
     submitted = time.perf_counter()
-    future = engine.grammars.submit(StructuredOutputsParams(json=big_schema(properties, int(submitted * 1e6))))
+    future = engine.gate.compiler.submit(StructuredOutputsParams(json=big_schema(properties, int(submitted * 1e6))))
     steps = []
     while not future.done() or not steps:
         start = time.perf_counter()

@@ -3,9 +3,8 @@
 A server drives it from a background loop (add_request / abort_request from request handlers, step in
 the loop); LLM (llm.py) drives it to completion for offline batches. What a front end may use is
 `limits`, `add_request` (which checks everything and raises RequestError), `abort_request`,
-`has_unfinished_requests` / `num_unfinished_requests`, `step`, `stats()`, `tokenizer` and `grammars`
-(structured outputs' compiler, to compile a constraint before adding its request); the scheduler,
-the block manager and the runner are the engine's own.
+`has_unfinished_requests` / `num_unfinished_requests`, `step`, `stats()`, `tokenizer` and `gate.compiler`
+(structured outputs'); the scheduler, the block manager and the runner are the engine's own.
 """
 
 import dataclasses
@@ -21,7 +20,7 @@ from jax.sharding import Mesh
 import models
 from models.loader import cache_dir, shard_model
 from models.sharding import make_mesh
-from paged_jax.core import beam_search, distributed, output_processor, validation
+from paged_jax.core import beam_search, distributed, output_processor, structured_output, validation
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig, default_device, default_dtype, resolve
 from paged_jax.core.engine_stats import EngineStats
@@ -33,7 +32,6 @@ from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.core.stop_checker import check_stop
-from paged_jax.core.structured_output import AwaitingGrammar, GrammarCompiler
 from paged_jax.core.validation import EngineLimits
 
 logger = logging.getLogger(__name__)
@@ -51,6 +49,11 @@ def _enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# Once, when the engine is imported, not by each engine built: the cache is the process's, and so a
+# setting made before anything compiles (as JAX advises), not a side effect of constructing an object.
+_enable_compilation_cache()
+
+
 def _mesh(config: EngineConfig) -> Mesh | None:
     """The mesh the engine splits the model over, or None on one device. In a group of processes
     (distributed.py) it spans every process's devices."""
@@ -60,13 +63,12 @@ def _mesh(config: EngineConfig) -> Mesh | None:
 
 class LLMEngine:
     def __init__(self, model, model_config, tokenizer, config: EngineConfig | None = None):
-        """model: a models.LlamaForCausalLM on the default device (where the engine runs), or already
-        split over the engine's mesh (models.load_model(..., mesh=...)); tokenizer: a transformers tokenizer.
+        """model: of an architecture in models.registry, on the default device (where the engine runs), or
+        already split over the engine's mesh (models.load_model(..., mesh=...)); tokenizer: a transformers tokenizer.
 
         With tensor_parallel_size N > 1 the engine runs on the first N devices, the model split over
         them (models/sharding.py); model_config is then the split model's (KV heads' copies counted).
         """
-        _enable_compilation_cache()
         self.config = config or EngineConfig()
         mesh = _mesh(self.config)
         if mesh is not None:
@@ -87,16 +89,13 @@ class LLMEngine:
                    attention.backend, attention.reason)
         logger.info("matmul backend %s: %s", self.resolved.matmul_backend, self.resolved.matmul.reason)
         if self.resolved.matmul_backend == "cpu":
-            model = models.pack_for_cpu(model)
+            model = model.pack_for_cpu()
         self.runner = ModelRunner(model, model_config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
-        self.grammars = (None if tokenizer is None else
-                         GrammarCompiler(tokenizer, model_config.vocab_size, model_config.eos_token_ids))
-        # Constrained requests wait here, outside the scheduler, until their grammar has compiled.
-        self.awaiting_grammar = AwaitingGrammar()
+        self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -106,7 +105,7 @@ class LLMEngine:
         self.num_batched_tokens = 0
 
     @classmethod
-    def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
+    def from_pretrained(cls, model: str = models.DEFAULT_MODEL, config: EngineConfig | None = None,
                         **options) -> "LLMEngine":
         """Load `model` and build an engine from `config` or, without one, from EngineConfig's fields as keywords."""
         if config is not None and options:
@@ -153,10 +152,7 @@ class LLMEngine:
                        priority=priority, forks=1 if params.use_beam_search else params.n)
         self._requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
                                              list(token_ids), params, [seq], arrival_time, self.tokenizer)
-        if params.structured_outputs is None:
-            self.scheduler.add(seq)
-        else:
-            self.awaiting_grammar.add(self.grammars.submit(params.structured_outputs), seq)
+        self.gate.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -186,7 +182,7 @@ class LLMEngine:
         The requests in the step are those it scheduled or, when scheduling itself failed, all that
         were running. The others go on, computed again if the failure took the KV cache with it.
         """
-        refused = self._admit_compiled()
+        refused = [out for seq, e in self.gate.admit() for out in self._fail([seq.request_id], self._requests, e)]
         requests = dict(self._requests)  # as they stood before the step, in case it fails
         start = time.monotonic()
         out = None
@@ -197,18 +193,6 @@ class LLMEngine:
             logger.exception("an engine step failed; its requests end with an error")
             seqs = self.scheduler.running if out is None else [*(s.seq for s in out.scheduled), *out.forked]
             return self._fail(list(dict.fromkeys(s.request_id for s in seqs)), requests, error)
-
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Queue the constrained requests whose grammar is ready; end with an error those whose grammar
-        failed to compile. With nothing else to run, waits a moment for a compile instead of spinning."""
-        ready, failed = self.awaiting_grammar.take_ready(wait=not self.scheduler.has_unfinished())
-        for seq in ready:
-            self.scheduler.add(seq)
-        outputs = []
-        for seq, error in failed:
-            self.scheduler.finish(seq)
-            outputs += self._fail([seq.request_id], self._requests, error)
-        return outputs
 
     def _fail(self, request_ids: list[str], requests: dict[str, Request], error: Exception) -> list[RequestOutput]:
         """End the given requests with an error, and leave the engine fit to serve the others."""
@@ -290,13 +274,8 @@ class LLMEngine:
         seq.cumulative_logprob += float(sampled.logprobs[row])
         text = request.sample(seq).text
         text.add(token)
-        if seq.guide is not None and not seq.guide.accept(token):
-            # The sampler drew from what the grammar allowed: a refusal is the matcher failing (a limit hit).
-            logger.error("request %s: the constraint's matcher refused token %d: %s", seq.request_id, token,
-                         seq.guide.error)
-            reason = "error", None
-        else:
-            reason = check_stop(seq, token, text, self.eos_token_ids, self.resolved.max_model_len)
+        reason = self.gate.refusal(seq, token) or check_stop(seq, token, text, self.eos_token_ids,
+                                                             self.resolved.max_model_len)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
             seq.finish_time = now
@@ -304,8 +283,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         cache, blocks = self.blocks.cache, self.blocks
-        # A constrained request whose grammar still compiles waits too, outside the scheduler.
-        waiting = len({seq.request_id for seq in self.scheduler.waiting} | self.awaiting_grammar.request_ids)
+        waiting = len({seq.request_id for seq in self.scheduler.waiting} | self.gate.request_ids)
         return EngineStats(
             num_running_requests=len(self._requests) - waiting, num_waiting_requests=waiting,
             num_blocks=blocks.num_blocks - 1, num_free_blocks=blocks.num_free, num_cached_blocks=blocks.num_evictable,

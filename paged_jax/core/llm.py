@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from models import DEFAULT_MODEL
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
@@ -18,7 +19,7 @@ class LLM:
     engine_options are EngineConfig's fields (block_size, max_num_seqs, enable_prefix_caching, ...).
     """
 
-    def __init__(self, model: str = "smollm2-135m", **engine_options):
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
         self.engine = LLMEngine.from_pretrained(model, **engine_options)
 
     @classmethod
@@ -42,7 +43,7 @@ class LLM:
         """prompts: a text, a list of token ids, or a list of either. sampling_params: one for all, or
         one per prompt. priority: one per prompt, for scheduling_policy "priority" (lower runs first).
         Every request is checked before any runs: one bad prompt, or a constraint that does not compile
-        (a GrammarError, a ValueError), fails the call and leaves the engine as it was. Each output is
+        (a GrammarError, a RequestError), fails the call and leaves the engine as it was. Each output is
         whole, whatever output_kind the params ask for."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -53,9 +54,10 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        compiler = self.engine.gate.compiler
         for params in sampling_params:
-            if params is not None and params.structured_outputs is not None and self.engine.grammars is not None:
-                self.engine.grammars.submit(params.structured_outputs).result()
+            if params is not None and params.structured_outputs is not None and compiler is not None:
+                compiler.submit(params.structured_outputs).result()
         ids = []
         try:
             for prompt, params, rank in zip(prompts, sampling_params, priority):

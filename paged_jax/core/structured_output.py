@@ -3,8 +3,8 @@ sequence, and each step's allowed tokens as a bitmask for the sampler.
 
 A request's StructuredOutputsParams becomes a grammar (grammars.py) that `GrammarCompiler` compiles
 with the model's tokenizer on a worker thread, once per distinct constraint (cached by its text), into
-a matcher that every sequence of the request copies (`Guide`). Meanwhile the request waits in
-`AwaitingGrammar`, outside the scheduler, so the engine loop goes on with the others.
+a matcher that every sequence of the request copies (`Guide`). Meanwhile the request waits at the
+`GrammarGate`, outside the scheduler, so the engine loop goes on with the others.
 
 A guide has consumed exactly its sequence's output tokens. Preemption keeps those tokens in both modes
 (recompute computes the prompt and the output again, swap restores their KV), so the guide is kept as
@@ -17,6 +17,7 @@ accepts; once the grammar admits nothing more the sequence ends with finish_reas
 
 import collections
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -28,7 +29,10 @@ import numpy as np
 from paged_jax.core import grammars
 from paged_jax.core.sampling import all_allowed
 from paged_jax.core.sampling_params import StructuredOutputsParams
+from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.sequence import Sequence as Seq
+
+logger = logging.getLogger(__name__)
 
 # Distinct constraints kept compiled; the oldest is dropped beyond this.
 _CACHE_SIZE = 256
@@ -39,11 +43,12 @@ _IDLE_WAIT_S = 0.01
 class GrammarCompiler:
     """Compiles constraints for one model's tokenizer on one worker thread, each distinct one once."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
-        """tokenizer: a transformers fast tokenizer; vocab_size: the model's, the width of its logits."""
+    def __init__(self, tokenizer, model_config):
+        """tokenizer: a transformers fast tokenizer; model_config: the model's (its vocab_size, the width
+        of its logits, and its eos_token_ids)."""
         self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
-        self._eos_token_ids = list(eos_token_ids)
+        self._vocab_size = model_config.vocab_size
+        self._eos_token_ids = list(model_config.eos_token_ids)
         self._ll_tokenizer = None  # built on the worker thread, on first use (about a second)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paged-jax-grammar")
         self._cache: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
@@ -84,18 +89,18 @@ class Guide:
         return Guide(self.matcher.deep_copy())
 
     def accept(self, token: int) -> bool:
-        """Advance past the sequence's new token; False if the grammar refuses it (the matcher then
-        stays in its error state)."""
-        return self.matcher.consume_token(token)
+        """Advance past the sequence's new token; False, logged, if the grammar refuses it: the sampler
+        drew from what the grammar allowed, so the matcher failed (hit one of llguidance's limits)."""
+        if self.matcher.consume_token(token):
+            return True
+        logger.error("a constraint's matcher refused token %d: %s", token, self.matcher.get_error())
+        return False
 
     @property
     def finished(self) -> bool:
         """Whether the grammar admits no more tokens (only EOS)."""
         return self.matcher.is_stopped()
 
-    @property
-    def error(self) -> str:
-        return self.matcher.get_error()
 
 
 def allowed_tokens(guides: Sequence[Guide | None], rows: int, vocab_size: int) -> np.ndarray:
@@ -114,38 +119,51 @@ def allowed_tokens(guides: Sequence[Guide | None], rows: int, vocab_size: int) -
     return mask
 
 
-class AwaitingGrammar:
-    """Sequences whose constraint is still compiling, in arrival order."""
+class GrammarGate:
+    """Where a new sequence enters the scheduler: at once without a constraint; with one, once its
+    grammar has compiled (meanwhile it waits here, and the engine loop goes on with the others)."""
 
-    def __init__(self):
-        self._entries: list[tuple[concurrent.futures.Future, Seq]] = []
+    def __init__(self, scheduler: Scheduler, tokenizer, model_config):
+        """tokenizer, model_config: the model's (GrammarCompiler); without a tokenizer there is no
+        compiler, and validation refuses constraints."""
+        self.scheduler = scheduler
+        self.compiler = None if tokenizer is None else GrammarCompiler(tokenizer, model_config)
+        self._waiting: list[tuple[concurrent.futures.Future, Seq]] = []  # in arrival order
 
-    def add(self, future: concurrent.futures.Future, seq: Seq) -> None:
-        self._entries.append((future, seq))
+    def add(self, seq: Seq) -> None:
+        if seq.params.structured_outputs is None:
+            self.scheduler.add(seq)
+        else:
+            self._waiting.append((self.compiler.submit(seq.params.structured_outputs), seq))
 
     @property
     def request_ids(self) -> set[str]:
-        return {seq.request_id for _, seq in self._entries}
+        """The requests waiting for their grammar."""
+        return {seq.request_id for _, seq in self._waiting}
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def take_ready(self, *, wait: bool) -> tuple[list[Seq], list[tuple[Seq, BaseException]]]:
-        """(sequences now holding their guide, (sequence, error) for those whose constraint failed to
-        compile), each in arrival order; finished (aborted) sequences are dropped. wait: block a moment
-        for the first compile to end when nothing else could run."""
-        self._entries = [(f, s) for f, s in self._entries if not s.is_finished]
-        if wait and self._entries:
-            concurrent.futures.wait([f for f, _ in self._entries], _IDLE_WAIT_S,
+    def admit(self) -> list[tuple[Seq, BaseException]]:
+        """Queue the sequences whose grammar is ready, each with its guide; finish those whose grammar
+        failed to compile and return them with the error, in arrival order. Aborted sequences are
+        dropped. With nothing else to run, waits a moment for a compile, so that no driver spins."""
+        self._waiting = [(f, s) for f, s in self._waiting if not s.is_finished]
+        if self._waiting and not self.scheduler.has_unfinished():
+            concurrent.futures.wait([f for f, _ in self._waiting], _IDLE_WAIT_S,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
-        ready, failed, still = [], [], []
-        for future, seq in self._entries:
+        failed, still = [], []
+        for future, seq in self._waiting:
             if not future.done():
                 still.append((future, seq))
             elif future.exception() is not None:
+                self.scheduler.finish(seq)
                 failed.append((seq, future.exception()))
             else:
                 seq.guide = Guide(future.result().deep_copy())
-                ready.append(seq)
-        self._entries = still
-        return ready, failed
+                self.scheduler.add(seq)
+        self._waiting = still
+        return failed
+
+    @staticmethod
+    def refusal(seq: Seq, token: int) -> tuple[str, None] | None:
+        """Advance seq's guide, if it has one, past its new token: ("error", None), the finish reason,
+        if the guide refuses it (Guide.accept), else None."""
+        return None if seq.guide is None or seq.guide.accept(token) else ("error", None)

@@ -149,7 +149,7 @@ def test_the_mask_holds_in_every_sampling_mode():
 def test_eos_is_allowed_only_where_the_grammar_accepts(llm):
     engine, tokenizer = llm.engine, llm.tokenizer
     vocab, eos = engine.model_config.vocab_size, tokenizer.eos_token_id
-    guide = Guide(engine.grammars.submit(StructuredOutputsParams(regex="[0-9]{2,3}")).result().deep_copy())
+    guide = Guide(engine.gate.compiler.submit(StructuredOutputsParams(regex="[0-9]{2,3}")).result().deep_copy())
 
     def allowed() -> set[int]:
         bits = np.unpackbits(allowed_tokens([guide], 1, vocab).view(np.uint8), bitorder="little")
@@ -218,17 +218,17 @@ def test_unsatisfiable_within_max_tokens_ends_with_a_valid_prefix(llm):
 
 def test_a_compiling_grammar_does_not_hold_up_other_requests(tiny_chat_model):
     engine = make_engine(tiny_chat_model)
-    gate = threading.Event()
-    compile_ = engine.grammars._compile
-    engine.grammars._compile = lambda so: gate.wait(30) and compile_(so)
+    release = threading.Event()
+    compile_ = engine.gate.compiler._compile
+    engine.gate.compiler._compile = lambda so: release.wait(30) and compile_(so)
     engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=8, structured_outputs=JSON), "slow")
     engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "free")
     finished = {}
     for _ in range(12):
         finished |= {o.request_id: o for o in engine.step() if o.finished}
     assert "free" in finished and "slow" not in finished
-    assert engine.awaiting_grammar.request_ids == {"slow"}
-    gate.set()
+    assert engine.gate.request_ids == {"slow"}
+    release.set()
     for _ in range(200):
         finished |= {o.request_id: o for o in engine.step() if o.finished}
         if "slow" in finished:
