@@ -1,11 +1,14 @@
-"""Llama-family models for the engine: config, flax.nnx model with its jittable step, weight loading."""
+"""Llama-family models for the engine: config, flax.nnx model with its jittable step, weight loading;
+registry.py names the architectures."""
 
-from models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig
-from models.llama import TP_AXIS, LlamaForCausalLM, make_forward, pack_for_cpu
+from models.config import Llama3RopeScaling, ModelConfig
+from models.llama import TP_AXIS, LlamaForCausalLM
 from models.loader import DEFAULT_MODEL, MODELS, LoadedModel, load_model, load_tokenizer
+from models.registry import ARCHITECTURES, Architecture, architecture
 
 __all__ = [
     "ARCHITECTURES",
+    "Architecture",
     "DEFAULT_MODEL",
     "MODELS",
     "Llama3RopeScaling",
@@ -13,8 +16,7 @@ __all__ = [
     "LoadedModel",
     "ModelConfig",
     "TP_AXIS",
+    "architecture",
     "load_model",
     "load_tokenizer",
-    "make_forward",
-    "pack_for_cpu",
 ]

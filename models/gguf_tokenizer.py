@@ -4,7 +4,7 @@ transformers can convert a GGUF's tokenizer too, but its GGUF integration import
 not a runtime dependency. The metadata holds everything a byte-level BPE tokenizer needs (llama.cpp's
 "gpt2" tokenizer model, used by SmolLM2, Llama 3 and Qwen2): the vocabulary, the merges, each
 token's type, the special token ids and the chat template. The pieces below are the ones
-transformers' conversion puts together, so the two encode and decode alike (tests/test_gguf_tokenizer.py).
+transformers' conversion puts together, so the two encode and decode alike (tests/models/test_gguf_tokenizer.py).
 """
 
 from collections.abc import Mapping

@@ -12,8 +12,9 @@ Every Param carries `out_sharding`: a partition spec over the mesh axis TP_AXIS 
 on output dims, row-parallel on input dims, embeddings on vocab); `nnx.get_partition_spec(state)`
 reads them. Construction never shards (eager_sharding=False): placing is the loader's or engine's call.
 
-On the CPU, `pack_for_cpu` gives a copy whose matmul weights are packed in column panels for the C++
-matmul (kernels_pallas/cpu/linear.cc); each module's static `packed` says which form it holds.
+On the CPU, `LlamaForCausalLM.pack_for_cpu` gives a copy whose matmul weights are packed in column
+panels for the C++ matmul (kernels_pallas/cpu/linear.cc); each module's static `packed` says which form
+it holds.
 """
 
 import dataclasses
@@ -203,38 +204,19 @@ class LlamaForCausalLM(nnx.Module):
             logits = jnp.einsum("th,hv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
         return logits, dataclasses.replace(kv_cache, k=tuple(ks), v=tuple(vs))
 
-
-def pack_for_cpu(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """A copy of the model whose matmul weights are packed in column panels for the C++ CPU matmul
-    (kernels_pallas/cpu/linear.cc): XLA's dot repacks its weight on every call, which took most of a
-    decode step's matmul time. Float32, one device (the weights are not split); `model` is unchanged.
-    A tied embedding is packed as the lm_head's weight, and looked up in that form."""
-    model = nnx.clone(model)  # new modules and variables, over the same arrays until packed
-    for layer in model.layers:
-        for param in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
-            _pack(param, param[...])
-        layer.attn.packed = layer.mlp.packed = True
-    if model.config.tie_word_embeddings:
-        _pack(model.embed, model.embed[...].T)
-    else:
-        _pack(model.lm_head, model.lm_head[...])
-    model.packed = True
-    return model
-
-
-def make_forward(graphdef: nnx.GraphDef, *, attn_backend: str = "auto"):
-    """The jitted step for the engine: split the model once, `graphdef, state = nnx.split(model)`, then
-
-        logits, kv_cache = forward(state, input_ids, positions, kv_cache, metadata, logits_indices)
-
-    with arguments as in LlamaForCausalLM.__call__. kv_cache is donated, so its pages are updated in
-    place (do not reuse the cache passed in); metadata.max_query_len is static, so each bucket of
-    (num_tokens, num_seqs, max_query_len) compiles once.
-    """
-
-    @functools.partial(jax.jit, donate_argnames=("kv_cache",))
-    def forward(state: nnx.State, input_ids, positions, kv_cache: KVCache, metadata: AttentionMetadata, logits_indices):
-        model = nnx.merge(graphdef, state)
-        return model(input_ids, positions, kv_cache, metadata, logits_indices, attn_backend=attn_backend)
-
-    return forward
+    def pack_for_cpu(self) -> "LlamaForCausalLM":
+        """A copy of the model whose matmul weights are packed in column panels for the C++ CPU matmul
+        (kernels_pallas/cpu/linear.cc): XLA's dot repacks its weight on every call, which took most of a
+        decode step's matmul time. Float32, one device (the weights are not split); this model is
+        unchanged. A tied embedding is packed as the lm_head's weight, and looked up in that form."""
+        model = nnx.clone(self)  # new modules and variables, over the same arrays until packed
+        for layer in model.layers:
+            for param in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
+                _pack(param, param[...])
+            layer.attn.packed = layer.mlp.packed = True
+        if model.config.tie_word_embeddings:
+            _pack(model.embed, model.embed[...].T)
+        else:
+            _pack(model.lm_head, model.lm_head[...])
+        model.packed = True
+        return model

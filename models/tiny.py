@@ -1,11 +1,11 @@
-"""Tiny random Llama models without torch or a checkpoint: for lowering tests and the GPU check."""
+"""Tiny random models without torch or a checkpoint: for lowering tests and the GPU check."""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.llama import LlamaForCausalLM
+from models.registry import architecture
 
 # Group 3 (as SmolLM2's 9 heads over 3), which the Pallas kernel pads to 4; head_dim 16, the
 # smallest its Triton tiles take.
@@ -15,14 +15,14 @@ TINY_LLAMA = ModelConfig(
 )
 
 
-def random_model(config: ModelConfig = TINY_LLAMA, *, dtype=jnp.float32, seed: int = 0) -> LlamaForCausalLM:
-    """A model with every weight random, made on the default device.
+def random_model(config: ModelConfig = TINY_LLAMA, *, dtype=jnp.float32, seed: int = 0) -> nnx.Module:
+    """A model of config's architecture with every weight random, made on the default device.
 
     Norm weights are uniform in [0.5, 1.5] and the others normal(0, 0.15), as the tests' transformers
     checkpoints are: the logits spread wide enough that greedy tokens rarely sit on a near-tie, so two
     attention backends can be compared token for token.
     """
-    model = LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+    model = architecture(config.architecture).model_class(config, dtype=dtype, rngs=nnx.Rngs(seed))
     params = nnx.state(model, nnx.Param)
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))

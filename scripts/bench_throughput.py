@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import DEFAULT_MODEL
 from paged_jax import LLMEngine, SamplingParams
 from kernels_pallas.layout import LAYOUTS
 from paged_jax.research import step_profile
 from paged_jax.core.config import DTYPES, MATMUL_BACKENDS
-from paged_jax.research.step_profile import matmul_peak_gflops
+from paged_jax.research.machine_peaks import matmul_peak_gflops
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
 
@@ -37,7 +38,7 @@ DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "wor
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The workload and engine options every throughput script shares (make_engine reads them)."""
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--num-requests", type=int, default=None, help="first N requests only")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
 
+from models import DEFAULT_MODEL
 from paged_jax.research import simulate
 from paged_jax.core.config import EngineConfig
 from paged_jax.research.page_table import blocks_for_tokens
@@ -157,7 +158,7 @@ def main(argv=None) -> None:
     parser.add_argument("--measure-requests", type=int, default=0,
                         help="run the real engine on this many requests of the first workload")
     parser.add_argument("--measure-tokens", type=int, default=32, help="output cap of each measured request")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("out"))
     args = parser.parse_args(argv)
     model = None

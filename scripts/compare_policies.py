@@ -38,6 +38,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from make_workload import make_workload
+from models import DEFAULT_MODEL
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.policy import POLICIES
 from paged_jax.research.replay import Replay, Request, StepCost, replay
@@ -249,7 +250,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fit", action="store_true", help=f"measure engine steps and write {STEP_COST.name}")
     parser.add_argument("--fit-requests", type=int, default=24)
     parser.add_argument("--step-cost", type=pathlib.Path, default=STEP_COST)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--rate", type=float, default=0.6, help="requests per second, on average")
     parser.add_argument("--seed", type=int, default=0)

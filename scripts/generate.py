@@ -13,8 +13,8 @@ import json
 import sys
 import time
 
+from models import DEFAULT_MODEL
 from paged_jax import LLMEngine, SamplingParams, StructuredOutputsParams
-
 from paged_jax.core import distributed
 from paged_jax.core.config import DTYPES
 from paged_jax.core.llm import LLM
@@ -24,7 +24,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", help="one prompt, answered with streaming")
     p.add_argument("--prompts-file", help="one prompt a line, all batched through the engine")
-    p.add_argument("--model", default="smollm2-135m", help="short name, GGUF file or Hugging Face folder")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="short name, GGUF file or Hugging Face folder")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     p.add_argument("--max-tokens", type=int, default=256)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import cdiv
 import numpy as np
 
 from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
@@ -159,7 +160,7 @@ def pack_columns(w: jax.Array) -> jax.Array:
     """w: f32 [K, N] -> [ceil(N / PANEL), K, PANEL]: column panels for linear_cpu, the last one padded
     with zero columns. Done once per weight, when the model is loaded."""
     k, n = w.shape
-    panels = -(-n // PANEL)
+    panels = cdiv(n, PANEL)
     w = jnp.pad(w, ((0, 0), (0, panels * PANEL - n)))
     return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
 

@@ -41,6 +41,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import cdiv
 
 from kernels_pallas.layout import TOKEN_MAJOR, heads_first, page_dims
 
@@ -128,7 +129,7 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
     group = num_heads // kv_heads
     chunk = chunk_pages * block_size
     rows = block_tables.shape[0]
-    num_groups = -(-rows // group_rows)
+    num_groups = cdiv(rows, group_rows)
     padded_rows = num_groups * group_rows
     lengths = jnp.pad(lengths, (0, padded_rows - rows))
     # Longest first, so each group's trip count is set by rows of about its own length.
@@ -151,7 +152,7 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
             return _online_softmax_step(carry, s, valid[:, None, None], v, "bhgc,bhcd->bhgd")
 
         carry = _online_softmax_init((group_rows, kv_heads, group), head_dim)
-        carry = lax.fori_loop(0, (lens[0] + chunk - 1) // chunk, step, carry)
+        carry = lax.fori_loop(0, cdiv(lens[0], chunk), step, carry)
         return results.at[g].set(_online_softmax_result(carry))
 
     results = jnp.zeros((num_groups, group_rows, kv_heads, group, head_dim), jnp.float32)
@@ -174,7 +175,7 @@ def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
     group = num_heads // kv_heads
     chunk = chunk_pages * block_size
     tables = _pad_to(block_tables, chunk_pages)
-    row_tiles = -(-q_lens // tile)
+    row_tiles = cdiv(q_lens, tile)
     tiles_end = jnp.cumsum(row_tiles)  # [rows] one past each row's last tile
 
     def attend_tile(t, out):
@@ -201,7 +202,7 @@ def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
             return _online_softmax_step(carry, s, kv_pos <= q_pos[:, None], v, "hmk,hkd->hmd")
 
         carry = _online_softmax_init((kv_heads, tile * group), head_dim)
-        carry = lax.fori_loop(0, (kv_end + chunk - 1) // chunk, step, carry)
+        carry = lax.fori_loop(0, cdiv(kv_end, chunk), step, carry)
         result = _online_softmax_result(carry).reshape(kv_heads, tile, group, head_dim)
         result = result.transpose(1, 0, 2, 3).reshape(tile, num_heads, head_dim).astype(out.dtype)
         old = lax.dynamic_slice_in_dim(out, start, tile)

@@ -30,10 +30,10 @@ class BlockPool:
     Under vmap each field gains a leading batch axis.
     """
 
-    # A ring buffer, popped at `head` and pushed at `head + num_free`: first freed, first reused, so
-    # that once prefix caching keeps the content of freed blocks, the ones evicted first are those
-    # freed longest ago (vLLM's free-block queue). The per-block content hash that prefix caching
-    # needs is not kept yet.
+    # A ring buffer, popped at `head` and pushed at `head + num_free`: first freed, first reused.
+    # Blocks kept for prefix caching never enter it: the host's prefix cache (prefix_cache.py) names
+    # them by a hash of their tokens and holds a reference of its own on each, until it evicts them,
+    # least recently used first.
     free_queue: jax.Array  # int32 [num_blocks - 1]; free ids at head .. head + num_free - 1 (mod size)
     head: jax.Array  # int32 []
     num_free: jax.Array  # int32 []

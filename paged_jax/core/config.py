@@ -1,10 +1,11 @@
 """Engine configuration: vLLM's option names where one exists, and what they resolve to at run time."""
 
 import dataclasses
-from typing import Literal, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import cdiv
 
 from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, choose_backend, cpu_kernel
 from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
@@ -18,67 +19,65 @@ HOST_KV_CACHE_MEMORY_BYTES = 2 << 30
 _BACKEND_PLATFORM = {"pallas": "gpu", "cpu": "cpu"}
 
 
+def _option(default, help: str, choices: tuple | None = None):
+    """An EngineConfig field with its command-line help, and the values it may take if they are few:
+    the server makes a flag of every field from these (serving/cli.py), and the config checks choices."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What the user asks of the engine. Values found at run time (how many blocks fit, the model's
     context length, what "auto" means on this device) live in `ResolvedConfig`, never written back here."""
 
-    # Tokens per KV block; None: what the attention backend reads fastest (kv_block_defaults).
-    block_size: int | None = None
+    # None: what the attention backend reads fastest (kv_block_defaults).
+    block_size: int | None = _option(None, "tokens per KV-cache block (default: 64 for the C++ CPU kernel, else 16)")
     # KV capacity: an explicit block count wins over an explicit memory budget, which wins over
     # gpu_memory_utilization (a GPU) or HOST_KV_CACHE_MEMORY_BYTES (elsewhere).
-    num_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    # Share of the memory JAX's GPU allocator may use (its bytes_limit: 75% of the GPU unless
-    # XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise) that weights and KV cache may fill together; the
-    # rest is left to the step's activations.
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
-    # Who is admitted first and who gives way (policy.py); "priority" lets requests carry a priority.
-    scheduling_policy: Literal["fcfs", "priority", "shortest_prompt_first"] = "fcfs"
+    num_blocks: int | None = _option(None, "KV-cache blocks (overrides --kv-cache-memory-bytes)")
+    kv_cache_memory_bytes: int | None = _option(None, "memory for the KV cache")
+    # Of the memory JAX's GPU allocator may use (its bytes_limit: 75% of the GPU unless
+    # XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise); the rest is left to the step's activations.
+    gpu_memory_utilization: float = _option(0.9, "share of GPU memory for weights and KV cache")
+    max_num_seqs: int = _option(64, "most sequences in one step")
+    max_num_batched_tokens: int = _option(1024, "most tokens in one step")
+    max_model_len: int | None = _option(None, "context length (default: the model's)")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = _option(True, "split long prompts over steps, beside decodes")
+    preemption_mode: str = _option("recompute", "how a sequence gives way when the KV cache runs short",
+                                   ("recompute", "swap"))
+    # policy.py; "priority" lets requests carry a priority.
+    scheduling_policy: str = _option("fcfs", "who is admitted first and preempted last (priority: lower value first)",
+                                     POLICIES)
     # Of the KV cache, and of the weights `LLMEngine.from_pretrained` loads. "auto": bfloat16 on a GPU,
     # float32 (the fast dtype there) on the CPU; for a model handed to the engine, its weights' dtype.
-    dtype: str = "auto"
-    attention_backend: str = "auto"
-    # The model's matmuls: "cpu" packs the weights once for the C++ kernel (kernels_pallas/cpu/linear.cc),
-    # "xla" leaves them to XLA's dot; "auto" takes "cpu" for float32 weights on one CPU device.
-    matmul_backend: str = "auto"
-    # How each layer's K/V pages are laid out (kernels_pallas/layout.py): token-major
-    # [num_blocks, block_size, kv_heads, head_dim] or head-major [num_blocks, kv_heads, block_size, head_dim];
-    # "auto": what the attention backend reads fastest (kv_block_defaults).
-    kv_layout: str = "auto"
-    # Devices the model's heads and MLP are split over (models/sharding.py); on a GPU the KV budget is per device.
-    tensor_parallel_size: int = 1
-    seed: int = 0
+    dtype: str = _option("auto", "parameter and KV-cache dtype", DTYPES)
+    attention_backend: str = _option("auto", "paged-attention implementation", BACKENDS)
+    # "cpu" packs the weights once for the C++ kernel (kernels_pallas/cpu/linear.cc); "auto" takes it
+    # for float32 weights on one CPU device.
+    matmul_backend: str = _option(
+        "auto", "the model's matmuls: cpu packs the weights for the C++ kernel, xla leaves them to XLA",
+        MATMUL_BACKENDS)
+    # kernels_pallas/layout.py; "auto": what the attention backend reads fastest (kv_block_defaults).
+    kv_layout: str = _option(
+        "auto", "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]; "
+        "auto: head-major for the C++ CPU kernel, else token-major", ("auto", *LAYOUTS))
+    # models/sharding.py; on a GPU the KV budget is per device.
+    tensor_parallel_size: int = _option(1, "devices to split the model's heads and MLP over (tensor parallelism)")
+    seed: int = _option(0, "engine seed, for requests without their own")
 
     def __post_init__(self):
-        def positive(name):
+        for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
+                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-
-        for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
-            positive(name)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.scheduling_policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        if self.matmul_backend not in MATMUL_BACKENDS:
-            raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
-        if self.kv_layout not in ("auto", *LAYOUTS):
-            raise ValueError(f"kv_layout must be 'auto' or one of {LAYOUTS}, got {self.kv_layout!r}")
+        for field in dataclasses.fields(self):
+            choices, value = field.metadata.get("choices"), getattr(self, field.name)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{field.name} must be one of {choices}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,7 +210,7 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
         per_block = bytes_per_block(model_config.num_layers, block_size, kv_heads, model_config.head_dim, dtype)
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
         num_blocks = min(kv_cache_budget(config, device) // per_block,
-                         4 * -(-wanted // block_size) * config.max_num_seqs) + 1
+                         4 * cdiv(wanted, block_size) * config.max_num_seqs) + 1
     if num_blocks - 1 < 1:
         raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
     pool = f"what the KV cache holds ({num_blocks - 1} blocks of {block_size})"
@@ -222,7 +221,7 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
         if wanted > limit and config.max_model_len is not None:
             raise ValueError(f"max_model_len {wanted} exceeds {what}: {limit} tokens")
     max_model_len = min(wanted, *limits.values())
-    max_blocks_per_seq = -(-max_model_len // block_size)
+    max_blocks_per_seq = cdiv(max_model_len, block_size)
     return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
                           max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
                           dtype=dtype, platform=platform, attention=attention,

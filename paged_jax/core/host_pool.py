@@ -6,7 +6,7 @@ ids and a read-back: tens of microseconds. A replay (replay.py) runs no model, o
 makes tens of thousands of pool calls, so there these stand in: the same functions with the same
 arguments and results, on a BlockPool of NumPy arrays (head and num_free plain ints), a few
 microseconds each. Like the originals they never modify the pool passed in, and on failure they return
-it. tests/test_host_pool.py applies random operation sequences, failing ones included, to both
+it. tests/core/test_host_pool.py applies random operation sequences, failing ones included, to both
 implementations and checks equal pools, ids, copies and ok flags after every call.
 """
 

@@ -89,6 +89,7 @@ class ModelRunner:
         self.model_config = model_config
         self.resolved = resolved
         self.kv_cache = self._new_kv_cache()
+        self.step_observers: list = []  # each called with a step's scheduled sequences before it runs (step_profile.py)
 
     def _new_kv_cache(self) -> KVCache:
         if self.mesh is None:
@@ -116,6 +117,8 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
+        for observe in self.step_observers:
+            observe(scheduled)
         return self.run_step(np.asarray(copies, np.int32).reshape(-1, 2), *self.host_inputs(scheduled))
 
     def host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInput, sampling.SamplingTensors]:

@@ -23,6 +23,8 @@ import collections
 import dataclasses
 from typing import Protocol
 
+from jax.experimental.pallas import cdiv
+
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.policy import sort_key
@@ -77,7 +79,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.blocks.block_size)
+        return cdiv(num_tokens, self.blocks.block_size)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[], copies=[], preempted=[], forked=self._fork_ready())

@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import cdiv
 
 from paged_jax.core import block_pool
 from paged_jax.core.block_pool import NULL_BLOCK, BlockPool
@@ -56,7 +57,7 @@ def position_to_block(position, block_size: int):
 
 def blocks_for_tokens(num_tokens, block_size: int):
     """Blocks that num_tokens tokens (int or int32 array) occupy: ceil(num_tokens / block_size)."""
-    return (num_tokens + block_size - 1) // block_size
+    return cdiv(num_tokens, block_size)
 
 
 @jax.jit

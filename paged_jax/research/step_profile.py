@@ -11,97 +11,32 @@ inside a trace annotation, and splits every step's wall time into
 - other: every other XLA op (norms, rotary, SwiGLU's product, the embedding gather, the sampler,
   the block pool's small programs);
 - host: no XLA op running (scheduling, building the batch, Python, the device-to-host copy).
-Ops are told apart by the compiled step's HLO (its instruction names and op_name metadata), which the
-trace's op names point into. Where XLA runs ops on both threads at once, the time is split evenly
-between them, so the parts add up to the step's wall time.
+Ops are told apart by the compiled step's HLO (hlo_parts.py), which the trace's op names point into;
+the trace gives each op's seconds in each step (trace_ops.py), split evenly where XLA runs ops on both
+threads at once, so the parts add up to the step's wall time.
 
 Steps are grouped: prefill-carrying steps by their token bucket T, decode-only steps by their
 sequence bucket S (buckets.py). Prefill is rated in GFLOP/s (model FLOPs of the step's real tokens),
 decode in GB/s (weights + the K/V the step reads), against a matmul peak and a memory bandwidth
-measured in the same process. The trace slows steps a little: the profiled run's tokens/s is reported
+measured in the same process (machine_peaks.py). The trace slows steps a little: the profiled run's tokens/s is reported
 beside the profile so that the distortion shows.
 """
 
 import collections
 import dataclasses
-import re
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from paged_jax.core import model_runner
 from paged_jax.core.buckets import step_shape
+from paged_jax.research import hlo_parts, machine_peaks, trace_ops
 
 PARTS = ("matmul", "attention", "kv_write", "other", "host")
 _STEP_MODULE = "jit_step"
 
-
-def matmul_peak_gflops(dtype=jnp.float32, n: int | None = None, repeats: int = 10) -> float:
-    """Best-of n^3 matmul rate on the default device through XLA, in dtype. n: 2048 on the CPU; 8192
-    on a GPU, where a smaller product ends before the launch overhead is amortised."""
-    if n is None:
-        n = 8192 if jax.default_backend() == "gpu" else 2048
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    return 2 * n**3 / _best_time(jax.jit(lambda x, y: x @ y), (a, a), repeats) / 1e9
-
-
-def memory_bandwidth_gbs(megabytes: int = 512, repeats: int = 10) -> float:
-    """Best-of read rate of a float32 array far larger than the caches, summed by XLA (GB/s)."""
-    x = jnp.ones(megabytes * 2**20 // 4, jnp.float32)
-    return x.nbytes / _best_time(jax.jit(jnp.sum), (x,), repeats) / 1e9
-
-
-def _best_time(f, args, repeats: int) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-# The compiled step's HLO: which op is which part.
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?\s([\w\-]+)\(")
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-
-
-def classify_hlo(text: str) -> dict[str, str]:
-    """Instruction name -> part, for every instruction of a compiled module's HLO text."""
-    calls, metadata, opcode, has_dot = {}, {}, {}, collections.defaultdict(bool)
-    computation = None
-    for line in text.splitlines():
-        if (m := _INSTRUCTION.match(line)) is None:
-            if (c := _COMPUTATION.match(line)) is not None:
-                computation = c.group(1)
-            continue
-        name = m.group(1)
-        opcode[name] = m.group(2)
-        metadata[name] = (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]
-        calls[name] = re.findall(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)", line)
-        if m.group(2) in ("dot", "convolution"):
-            has_dot[computation] = True
-
-    def part(name: str) -> str:
-        scope = metadata[name]
-        if "attention" in scope:
-            return "attention"
-        if "kv_write" in scope:
-            return "kv_write"
-        if "matmul" in scope or opcode[name] in ("dot", "convolution") or (
-                opcode[name] == "fusion" and any(has_dot[c] for c in calls[name])):
-            return "matmul"
-        return "other"
-
-    return {name: part(name) for name in opcode}
-
-
-# The run.
 
 @dataclasses.dataclass
 class _Step:
@@ -135,9 +70,8 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
     runner = engine.runner
     steps: list[_Step] = []
     programs: dict[str, tuple] = {}
-    execute = runner.execute
 
-    def recording_execute(scheduled, copies):
+    def record(scheduled):
         args, keywords = runner.step_args(scheduled)
         abstract = _abstract(args, keywords)
         key = _signature_key(abstract)
@@ -149,7 +83,6 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
         pairs = sum(c * n - n * (n - 1) // 2 for c, n in zip(contexts, new))
         steps.append(_Step("prefill" if prefill else "decode", shape.num_tokens if prefill else shape.num_seqs,
                            sum(new), len(scheduled), sum(contexts), pairs, key))
-        return execute(scheduled, copies)
 
     engine.blocks.reset_prefix_cache()
     for i, r in enumerate(requests):
@@ -157,7 +90,7 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     windows = []  # per engine step: (wall seconds, whether it ran the model)
-    runner.execute = recording_execute
+    runner.step_observers.append(record)
     folder = tempfile.TemporaryDirectory()
     produced = 0
     try:
@@ -174,111 +107,19 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
             elapsed = time.perf_counter() - start
         finally:
             jax.profiler.stop_trace()
-            del runner.execute  # the class's method again
-        parts = _parts_per_step(folder.name, len(windows))
+            runner.step_observers.remove(record)
+        parts = trace_ops.op_seconds_per_step(folder.name, len(windows))
     finally:
         folder.cleanup()
 
     ran = [i for i, (_, model) in enumerate(windows) if model]
     for step, i in zip(steps, ran, strict=True):
         step.wall_s = windows[i][0]
-    hlo = {key: classify_hlo(_compiled_text(abstract)) for key, abstract in programs.items()}
+    hlo = {key: hlo_parts.classify_hlo(hlo_parts.compiled_step_text(abstract)) for key, abstract in programs.items()}
     per_step = [_assign(parts[i], hlo[step.signature]) for step, i in zip(steps, ran)]
-    matmul_peak = matmul_peak or matmul_peak_gflops()
-    bandwidth = bandwidth or memory_bandwidth_gbs()
+    matmul_peak = matmul_peak or machine_peaks.matmul_peak_gflops()
+    bandwidth = bandwidth or machine_peaks.memory_bandwidth_gbs()
     return _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak, bandwidth)
-
-
-def _compiled_text(abstract) -> str:
-    """The optimized HLO of the step for these arguments (the traced run's op names point into it)."""
-    graph, arrays, keywords = abstract
-    text = model_runner.step.lower(graph, *arrays, **keywords).compile().as_text()
-    if "kv_write" not in text or "attention" not in text:
-        # The persistent compilation cache's key leaves out op metadata: a program cached before the
-        # model's named scopes were added comes back without them.
-        raise RuntimeError("the compiled step lacks the model's named scopes 'attention' and 'kv_write': the "
-                           "persistent compilation cache holds it from older code; profile with a fresh one "
-                           "(JAX_COMPILATION_CACHE_DIR=/some/new/folder) or clear it")
-    return text
-
-
-def _parts_per_step(folder: str, num_steps: int) -> list[dict[tuple[str, str], float]]:
-    """Per engine step, seconds keyed by (HLO module, op name), "" for host time: each thread's
-    innermost op at each instant, time shared evenly by the ops running at once."""
-    from jax.profiler import ProfileData
-
-    path = next(Path(folder).rglob("*.xplane.pb"))
-    plane = ProfileData.from_file(str(path)).find_plane_with_name("/host:CPU")
-    windows = [None] * num_steps
-    threads = []
-    for line in plane.lines:
-        if line.name == "python":
-            for e in line.events:
-                if e.name.startswith("engine_step_"):
-                    windows[int(e.name[len("engine_step_"):])] = (e.start_ns, e.end_ns)
-        else:
-            ops = []
-            for e in line.events:
-                stats = dict(e.stats)
-                if "hlo_op" in stats:
-                    ops.append((e.start_ns, e.end_ns, (stats.get("hlo_module", ""), stats["hlo_op"])))
-            threads.append(ops)
-    segments = sorted(s for ops in threads for s in _innermost(ops))
-    out = []
-    cursor = 0
-    for start, end in windows:
-        while cursor < len(segments) and segments[cursor][1] <= start:
-            cursor += 1
-        inside = []
-        for s in segments[cursor:]:
-            if s[0] >= end:
-                break
-            inside.append((max(s[0], start), min(s[1], end), s[2]))
-        out.append(_share(inside, start, end))
-    return out
-
-
-def _innermost(ops: list[tuple[int, int, tuple]]) -> list[tuple[int, int, tuple]]:
-    """One thread's op events (nested: a loop holds its body's ops) as non-overlapping segments,
-    each instant given to the innermost op running then."""
-    out, stack, t = [], [], 0
-    for start, end, key in sorted(ops, key=lambda e: (e[0], -e[1])):
-        while stack and stack[-1][0] <= start:
-            done, owner = stack.pop()
-            out.append((t, done, owner))
-            t = done
-        if stack:
-            out.append((t, start, stack[-1][1]))
-            end = min(end, stack[-1][0])
-        stack.append((end, key))
-        t = start
-    while stack:
-        done, owner = stack.pop()
-        out.append((t, done, owner))
-        t = done
-    return [s for s in out if s[1] > s[0]]
-
-
-def _share(segments, start: int, end: int) -> dict[tuple[str, str], float]:
-    """Seconds per op over [start, end]: each instant split evenly among the ops running; "" none."""
-    edges = sorted({start, end, *(s[0] for s in segments), *(s[1] for s in segments)})
-    events = collections.defaultdict(list)
-    for s in segments:
-        events[s[0]].append((1, s[2]))
-        events[s[1]].append((-1, s[2]))
-    active: collections.Counter = collections.Counter()
-    seconds: dict = collections.defaultdict(float)
-    for a, b in zip(edges, edges[1:]):
-        for sign, key in events.get(a, ()):
-            active[key] += sign
-            if active[key] == 0:
-                del active[key]
-        n = sum(active.values())
-        if n == 0:
-            seconds[("", "")] += (b - a) / 1e9
-        for key, count in active.items():
-            seconds[key] += (b - a) / 1e9 * count / n
-    return seconds
 
 
 def _assign(seconds: dict[tuple[str, str], float], parts_of: dict[str, str]) -> dict[str, float]:

@@ -21,38 +21,32 @@ import typing
 import uvicorn
 
 import models
-from kernels_pallas import BACKENDS, LAYOUTS
 from paged_jax.core import distributed
-from paged_jax.core.config import DTYPES, MATMUL_BACKENDS, EngineConfig
+from paged_jax.core.config import EngineConfig
 from paged_jax.core.engine import LLMEngine
 from paged_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
 from paged_jax.serving.tool_parsers import PARSERS
 
 API_KEY_ENV = "PAGED_JAX_API_KEY"
 
-# EngineConfig fields whose vLLM flag is not the field's name.
+# EngineConfig fields whose vLLM flag is not the field's name; every other flag is the field's name.
 _FLAG_NAMES = {"num_blocks": "num-gpu-blocks-override"}
-_CHOICES = {"dtype": DTYPES, "attention_backend": BACKENDS, "matmul_backend": MATMUL_BACKENDS, "kv_layout": ("auto", *LAYOUTS)}
-_HELP = {
-    "block_size": "tokens per KV-cache block (default: 64 for the C++ CPU kernel, else 16)",
-    "num_blocks": "KV-cache blocks (overrides --kv-cache-memory-bytes)",
-    "kv_cache_memory_bytes": "memory for the KV cache",
-    "gpu_memory_utilization": "share of GPU memory for weights and KV cache",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "most tokens in one step",
-    "max_model_len": "context length (default: the model's)",
-    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
-    "enable_chunked_prefill": "split long prompts over steps, beside decodes",
-    "preemption_mode": "how a sequence gives way when the KV cache runs short",
-    "scheduling_policy": "who is admitted first and preempted last (priority: lower value first)",
-    "dtype": "parameter and KV-cache dtype",
-    "attention_backend": "paged-attention implementation",
-    "matmul_backend": "the model's matmuls: cpu packs the weights for the C++ kernel, xla leaves them to XLA",
-    "kv_layout": "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]; "
-                 "auto: head-major for the C++ CPU kernel, else token-major",
-    "tensor_parallel_size": "devices to split the model's heads and MLP over (tensor parallelism)",
-    "seed": "engine seed, for requests without their own",
-}
+
+
+def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
+    """A flag per EngineConfig field, with the help and choices the field carries (config._option)."""
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + _FLAG_NAMES.get(field.name, field.name.replace("_", "-"))
+        help, choices = field.metadata.get("help", ""), field.metadata.get("choices")
+        if field.type is bool:
+            group.add_argument(flag, dest=field.name, default=field.default, action=argparse.BooleanOptionalAction,
+                               help=help)
+            continue
+        # `int | None` takes ints; None is the default's, never typed in.
+        value_type = next(t for t in typing.get_args(field.type) or (field.type,) if t is not type(None))
+        group.add_argument(flag, dest=field.name, default=field.default, choices=choices, type=value_type,
+                           metavar=flag[2:].upper().replace("-", "_") if field.name in _FLAG_NAMES else None,
+                           help=help + ("" if field.default is None else " (default: %(default)s)"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,18 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "llama3_json (Llama 3.1's JSON)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
-    engine = p.add_argument_group("engine options (vLLM's names)")
-    for field in dataclasses.fields(EngineConfig):
-        flag = "--" + _FLAG_NAMES.get(field.name, field.name.replace("_", "-"))
-        if isinstance(field.default, bool):
-            engine.add_argument(flag, dest=field.name, default=field.default, action=argparse.BooleanOptionalAction,
-                                help=_HELP[field.name])
-        else:
-            literal = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
-            engine.add_argument(flag, dest=field.name, default=field.default, choices=_CHOICES.get(field.name, literal),
-                                type=int if field.default is None else type(field.default),
-                                metavar=flag[2:].upper().replace("-", "_") if field.name in _FLAG_NAMES else None,
-                                help=_HELP[field.name] + ("" if field.default is None else " (default: %(default)s)"))
+    _add_engine_flags(p.add_argument_group("engine options (vLLM's names)"))
     distributed.add_arguments(p)
     args = p.parse_args(argv)
     try:

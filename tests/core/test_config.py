@@ -89,7 +89,7 @@ def test_gpu_memory_utilization_is_a_fraction(value):
 
 def test_kv_layout_is_one_of_the_layouts():
     assert EngineConfig(kv_layout="head_major").kv_layout == "head_major"
-    with pytest.raises(ValueError, match=r"kv_layout must be 'auto' or one of \('token_major', 'head_major'\)"):
+    with pytest.raises(ValueError, match=r"kv_layout must be one of \('auto', 'token_major', 'head_major'\)"):
         EngineConfig(kv_layout="head-major")
 
 

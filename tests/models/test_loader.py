@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from models import Llama3RopeScaling, ModelConfig, load_model
+from models import Llama3RopeScaling, ModelConfig, load_model, registry
 from models.loader import resolve
 
 
@@ -112,8 +112,17 @@ def test_shape_that_does_not_match_the_config(folder):
 
 def test_unsupported_architecture_in_config_json(folder):
     _edit_config(folder, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"config\.json: unsupported architecture 'gpt2'"):
+    with pytest.raises(ValueError, match=r"config\.json: unsupported architecture 'gpt2'; supported: llama, mistral"):
         load_model(folder)
+
+
+def test_a_new_name_for_a_registered_architecture_is_one_registry_entry(folder, tiny_checkpoint, monkeypatch):
+    monkeypatch.setitem(registry.ARCHITECTURES, "llama_like", registry.ARCHITECTURES["llama"])
+    _edit_config(folder, model_type="llama_like")
+    loaded, original = load_model(folder), load_model(tiny_checkpoint("llama3")[0])
+    assert loaded.config.architecture == "llama_like" and type(loaded.model) is type(original.model)
+    for a, b in zip(jax.tree.leaves(loaded.model), jax.tree.leaves(original.model), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_unsupported_rope_type(folder):

@@ -1,6 +1,8 @@
 """The model against transformers: logits of ragged batches, and greedy generation through the paged
 cache, for each architecture (tiny random checkpoints) and for the real SmolLM2 GGUF."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from flax import nnx
 
 from conftest import CHAT_PROMPTS, TINY_ARCHS, hf_greedy
 from kernels_pallas import AttentionMetadata, KVCache, init_kv_cache
-from models import TP_AXIS, LlamaForCausalLM, ModelConfig, load_model, make_forward, pack_for_cpu
+from models import TP_AXIS, ModelConfig, load_model
 
 GREEDY_STEPS = 32
 
@@ -107,6 +109,20 @@ def tiny_model(request, tiny_checkpoint):
     return hf_model, config, model
 
 
+def make_forward(graphdef: nnx.GraphDef):
+    """The model's own call as the engine's step makes it (model_runner.step merges the state into the
+    graph and calls the model, under jit, the cache donated), without the sampler: the logits.
+
+        logits, kv_cache = forward(state, input_ids, positions, kv_cache, metadata, logits_indices)
+    """
+
+    @functools.partial(jax.jit, donate_argnames=("kv_cache",))
+    def forward(state: nnx.State, input_ids, positions, kv_cache: KVCache, metadata: AttentionMetadata, logits_indices):
+        return nnx.merge(graphdef, state)(input_ids, positions, kv_cache, metadata, logits_indices)
+
+    return forward
+
+
 def _with_forward(hf_model, config, model):
     graphdef, state = nnx.split(model)
     return hf_model, config, state, make_forward(graphdef)
@@ -120,9 +136,9 @@ def tiny(tiny_model):
 
 @pytest.fixture(scope="module", params=(False, True), ids=("xla_matmul", "packed"))
 def tiny_any_matmul(request, tiny_model):
-    """`tiny` with XLA's matmuls, or with its weights packed for the C++ CPU matmul (models.pack_for_cpu)."""
+    """`tiny` with XLA's matmuls, or with its weights packed for the C++ CPU matmul (the model's pack_for_cpu)."""
     hf_model, config, model = tiny_model
-    return _with_forward(hf_model, config, pack_for_cpu(model) if request.param else model)
+    return _with_forward(hf_model, config, model.pack_for_cpu() if request.param else model)
 
 
 def random_prompts(config: ModelConfig, lengths) -> list[list[int]]:

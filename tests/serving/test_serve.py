@@ -2,6 +2,7 @@
 shutting down on SIGTERM (a request that fits in the grace period finishes, one that does not is cut,
 new connections are refused, the process exits 0)."""
 
+import dataclasses
 import signal
 import socket
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from paged_jax.core.config import EngineConfig
+from paged_jax.serving import cli
 from paged_jax.serving.cli import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +34,27 @@ def test_flags_take_vllm_names():
     assert (args.host, args.port) == ("127.0.0.1", 8000)
 
 
+def test_every_engine_config_field_is_a_flag_with_its_help(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    squeeze = lambda text: "".join(text.split())  # argparse wraps the help, at spaces and hyphens
+    usage = squeeze(capsys.readouterr().out)
+    for field in dataclasses.fields(EngineConfig):
+        assert field.metadata["help"] and squeeze(field.metadata["help"]) in usage
+        assert "--" + {"num_blocks": "num-gpu-blocks-override"}.get(field.name, field.name.replace("_", "-")) in usage
+
+
+def test_a_new_engine_config_field_needs_no_flag_written_for_it(monkeypatch):
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Extended(EngineConfig):
+        new_limit: int | None = None
+        new_ratio: float = 0.5
+
+    monkeypatch.setattr(cli, "EngineConfig", Extended)
+    config = parse_args(["--new-limit", "3", "--new-ratio", "0.25", "--max-num-seqs", "2"]).engine_config
+    assert (config.new_limit, config.new_ratio, config.max_num_seqs) == (3, 0.25, 2)
+
+
 @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--dtype", "float16"], ["--max-num-queued-reqs", "-1"]])
 def test_bad_flags_exit_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -44,12 +68,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Every engine step of the server lasts at least STEP_S (a slow step injected, as tests/conftest.py
+# injects faults): how long a request takes then has a floor whatever the machine's speed. The long
+# request needs LONG_TOKENS * STEP_S = 50 s, far beyond the grace period; the short one about
+# SHORT_TOKENS * STEP_S, far within it.
+STEP_S = 0.1
+SHORT_TOKENS, LONG_TOKENS, GRACE_S = 3, 500, 2
+SLOW_SERVE = f"""
+import runpy, time
+from paged_jax.core.engine import LLMEngine
+step = LLMEngine.step
+LLMEngine.step = lambda self: (time.sleep({STEP_S}), step(self))[1]
+runpy.run_module("paged_jax.serve", run_name="__main__", alter_sys=True)  # python -m paged_jax.serve
+"""
+
+
 def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "paged_jax.serve", "--model", str(tiny_chat_folder), "--port", str(port),
-         "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--shutdown-timeout", "1",
+        [sys.executable, "-c", SLOW_SERVE, "--model", str(tiny_chat_folder), "--port", str(port),
+         "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--shutdown-timeout", str(GRACE_S),
          "--disable-uvicorn-access-log", "--log-level", "warning"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -76,7 +115,8 @@ def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
                 pass  # cut at the end of the grace period
             bodies[name] = text
 
-        threads = [threading.Thread(target=stream, args=args) for args in (("short", 20), ("long", 500))]
+        threads = [threading.Thread(target=stream, args=args)
+                   for args in (("short", SHORT_TOKENS), ("long", LONG_TOKENS))]
         for t in threads:
             t.start()
         assert all(e.wait(120) for e in first_chunk.values())
@@ -93,3 +133,4 @@ def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
             server.wait()
     assert bodies["short"].endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in bodies["short"]
     assert "[DONE]" not in bodies["long"], bodies["long"].count("data:")
+    assert 0 < bodies["long"].count('"text"') < LONG_TOKENS

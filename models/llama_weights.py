@@ -1,0 +1,96 @@
+"""Where each tensor of a Llama-family Hugging Face checkpoint lands in LlamaForCausalLM's state.
+
+One rule per Hugging Face tensor name: the state path of the (fused) parameter it fills, the shape the
+config implies for it, and how its array is placed there (transposed, into its q/k/v or gate/up slots).
+The loader applies the table of the checkpoint's architecture (registry.py), whatever the file format.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from models.config import ModelConfig
+
+Place = Callable[[np.ndarray, ModelConfig], tuple[Any, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    """One Hugging Face tensor (its name with "{i}" for the layer) and where it lands."""
+
+    hf: str
+    param: str  # path in the model's state, dotted, "{i}" for the layer
+    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+    place: Place  # (HF array, config) -> (index into the param, value to store there)
+    needed: Callable[[ModelConfig], bool] = lambda c: True
+
+
+def _whole(a: np.ndarray, c: ModelConfig):
+    return ..., a
+
+
+def _transposed(a: np.ndarray, c: ModelConfig):
+    """torch Linear's [out, in] -> our [in, out]."""
+    return ..., a.T
+
+
+def _heads(c: ModelConfig, part: str) -> int:
+    return c.num_heads if part == "q" else c.num_kv_heads
+
+
+def _qkv(part: str) -> Place:
+    """q, k or v ([out, in] weight or [out] bias) into its slots of [..., num_kv_heads, group + 2, head_dim]."""
+
+    def place(a: np.ndarray, c: ModelConfig):
+        start = {"q": 0, "k": c.group_size, "v": c.group_size + 1}[part]
+        n = _heads(c, part) // c.num_kv_heads
+        a = a.T if a.ndim == 2 else a
+        return (..., slice(start, start + n), slice(None)), a.reshape(*a.shape[:-1], c.num_kv_heads, n, c.head_dim)
+
+    return place
+
+
+def _gate_up(slot: int) -> Place:
+    """gate (0) or up (1), [intermediate, hidden], into [hidden, 2, intermediate]."""
+    return lambda a, c: (np.s_[:, slot], a.T)
+
+
+def _hidden(c: ModelConfig) -> tuple[int, ...]:
+    return (c.hidden_size,)
+
+
+_LAYER = "model.layers.{i}."
+RULES = (
+    WeightRule("model.embed_tokens.weight", "embed", lambda c: (c.vocab_size, c.hidden_size), _whole),
+    WeightRule("lm_head.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), _transposed,
+          needed=lambda c: not c.tie_word_embeddings),
+    WeightRule("model.norm.weight", "norm.weight", _hidden, _whole),
+    WeightRule(_LAYER + "input_layernorm.weight", "layers.{i}.input_norm.weight", _hidden, _whole),
+    WeightRule(_LAYER + "post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight", _hidden, _whole),
+    *(
+        WeightRule(_LAYER + f"self_attn.{p}_proj.weight", "layers.{i}.attn.qkv",
+              lambda c, p=p: (_heads(c, p) * c.head_dim, c.hidden_size), _qkv(p))
+        for p in "qkv"
+    ),
+    *(
+        WeightRule(_LAYER + f"self_attn.{p}_proj.bias", "layers.{i}.attn.qkv_bias",
+              lambda c, p=p: (_heads(c, p) * c.head_dim,), _qkv(p), needed=lambda c: c.qkv_bias)
+        for p in "qkv"
+    ),
+    WeightRule(_LAYER + "self_attn.o_proj.weight", "layers.{i}.attn.o",
+          lambda c: (c.hidden_size, c.num_heads * c.head_dim), _transposed),
+    WeightRule(_LAYER + "mlp.gate_proj.weight", "layers.{i}.mlp.gate_up",
+          lambda c: (c.intermediate_size, c.hidden_size), _gate_up(0)),
+    WeightRule(_LAYER + "mlp.up_proj.weight", "layers.{i}.mlp.gate_up",
+          lambda c: (c.intermediate_size, c.hidden_size), _gate_up(1)),
+    WeightRule(_LAYER + "mlp.down_proj.weight", "layers.{i}.mlp.down",
+          lambda c: (c.hidden_size, c.intermediate_size), _transposed),
+)
+
+
+def ignored(name: str, config: ModelConfig) -> bool:
+    """Tensors a checkpoint may hold that the model does not use: older checkpoints store rope
+    tables; some tied ones store the embedding again as lm_head."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
