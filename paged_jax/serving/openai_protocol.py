@@ -14,8 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidato
 from pydantic_core import PydanticCustomError
 
 from paged_jax.core.sampling_params import MAX_LOGPROBS
-from paged_jax.serving.structured_protocol import (DeltaToolCall, ResponseFormat, StructuredOutputs, Tool, ToolCallIn,
-                                                   ToolCallOut, ToolChoice)
+from paged_jax.serving.structured_protocol import ConstraintFields, DeltaToolCall, ToolCallIn, ToolCallOut, ToolFields
 
 
 def one_of(forms: str) -> WrapValidator:
@@ -72,7 +71,7 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(_Request, ConstraintFields):
     """What completions and chat completions share: OpenAI's sampling fields and vLLM's extras."""
 
     model: str | None = Field(None, description="The served model's name; omitted means that model.")
@@ -95,13 +94,6 @@ class SamplingRequest(_Request):
     min_tokens: int = Field(0, ge=0)
     priority: int = Field(0, description="Under --scheduling-policy priority, lower runs first (and is "
                                          "preempted last); any other policy accepts only 0.")
-    # vLLM's constraints on the output: structured_outputs, or one of the older guided_* fields.
-    structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_whitespace_pattern: str | None = None
     # paged-jax's own.
     request_timeout: float | None = Field(
         None, gt=0, description="Seconds this request may take, within the server's --request-timeout.")
@@ -138,9 +130,9 @@ class ChatMessage(OpenAIModel):
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 
-class ChatCompletionRequest(SamplingRequest):
-    UNSUPPORTED: ClassVar = ("logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
-                             "web_search_options", "service_tier", "store", "metadata", "verbosity")
+class ChatCompletionRequest(SamplingRequest, ToolFields):
+    UNSUPPORTED: ClassVar = ("logit_bias", "functions", "function_call", "audio", "modalities", "prediction",
+                             "reasoning_effort", "web_search_options", "service_tier", "store", "metadata", "verbosity")
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
@@ -148,10 +140,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = Field(None, description='Default "auto" with tools, "none" without.')
-    parallel_tool_calls: bool | None = None
 
 
 # Responses.

@@ -59,6 +59,27 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class ConstraintFields(_Strict):
+    """What completions and chat completions take to constrain the output: vLLM's structured_outputs,
+    or one of its older guided_* fields."""
+
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+
+class ToolFields(_Strict):
+    """A chat completion's fields for JSON replies and tool calls (OpenAI's)."""
+
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = Field(None, description='Default "auto" with tools, "none" without.')
+    parallel_tool_calls: bool | None = None
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # a JSON object, as text

@@ -38,7 +38,8 @@ def make_engine(tiny_chat_model, **options) -> LLMEngine:
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
-    return [tokenizer.encode(f"Describe pet number {i} of the {i * 7} pets at the shelter, as JSON.") for i in range(count)]
+    return [tokenizer.encode(f"Describe pet number {i} of the {i * 7} pets at the shelter, as JSON.")
+            for i in range(count)]
 
 
 def texts(outputs) -> list[str]:

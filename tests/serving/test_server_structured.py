@@ -143,7 +143,8 @@ def test_auto_reads_hermes_calls_from_the_text(client):
     server's parser turns the text into a tool call, streamed and not."""
     regex = r'I will check\.\n<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,9}", ' \
             r'"unit": "(celsius|fahrenheit)"\}\}</tool_call>'
-    args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=64, temperature=0, extra_body={"guided_regex": regex})
+    args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=64, temperature=0,
+                extra_body={"guided_regex": regex})
     r = client.chat.completions.create(**args)
     [call] = r.choices[0].message.tool_calls
     assert r.choices[0].message.content == "I will check.\n"

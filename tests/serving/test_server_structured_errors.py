@@ -82,6 +82,7 @@ def test_tools_and_tool_messages_reach_the_template(served):
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=1)
-    expected = "[tool get_weather][tool get_tags]user: Weather in Paris?|assistant: [call get_weather Paris]|tool: 21 C(call_1)|"
+    expected = ("[tool get_weather][tool get_tags]user: Weather in Paris?|assistant: [call get_weather Paris]|"
+                "tool: 21 C(call_1)|")
     assert r.usage.prompt_tokens == len(engine.tokenizer.encode(expected, add_special_tokens=False))
     assert r.choices[0].message.tool_calls == []
