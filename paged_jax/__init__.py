@@ -21,6 +21,7 @@ _EXPORTS = {
     "AsyncLLM": "paged_jax.serving.async_engine",
     "EngineConfig": "paged_jax.core.config",
     "SamplingParams": "paged_jax.core.sampling_params",
+    "StructuredOutputsParams": "paged_jax.core.sampling_params",
     "RequestOutputKind": "paged_jax.core.sampling_params",
     "RequestOutput": "paged_jax.core.outputs",
     "CompletionOutput": "paged_jax.core.outputs",

@@ -2,17 +2,19 @@
 
     python scripts/generate.py "Explain PagedAttention in one paragraph"
     python scripts/generate.py --prompts-file prompts.txt --max-tokens 64 --stats
+    python scripts/generate.py "Describe a cat" --json-schema cat.schema.json   # JSON that validates
 
 On many hosts (docs/scaling.md), every process runs the same command with its --process-id; process 0
 prints the answers, the others follow its steps.
 """
 
 import argparse
+import json
 import sys
 import time
 
 from models import DEFAULT_MODEL
-from paged_jax import LLMEngine, SamplingParams
+from paged_jax import LLMEngine, SamplingParams, StructuredOutputsParams
 from paged_jax.core import distributed
 from paged_jax.core.config import DTYPES
 from paged_jax.core.llm import LLM
@@ -32,6 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as plain text")
+    p.add_argument("--json-schema", metavar="FILE", help="constrain the answers to JSON this schema validates")
     p.add_argument("--stats", action="store_true", help="print throughput and engine counters at the end")
     distributed.add_arguments(p)
     args = p.parse_args(argv)
@@ -43,9 +46,13 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        constraint = None
+        if args.json_schema is not None:
+            with open(args.json_schema, encoding="utf-8") as f:
+                constraint = StructuredOutputsParams(json=json.load(f))
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                seed=args.seed, max_tokens=args.max_tokens)
-    except ValueError as e:
+                                seed=args.seed, max_tokens=args.max_tokens, structured_outputs=constraint)
+    except (OSError, ValueError) as e:
         sys.exit(f"generate.py: {e}")
     distributed.initialize_from_args(args)
     engine = LLMEngine.from_pretrained(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
@@ -60,7 +67,10 @@ def main(argv=None) -> int:
     if len(prompts) == 1 and args.n == 1:
         outputs = [_stream(llm.engine, prompts[0], params)]
     else:
-        outputs = llm.generate(prompts, params)
+        try:
+            outputs = llm.generate(prompts, params)
+        except ValueError as e:  # a prompt too long, a schema that does not compile
+            sys.exit(f"generate.py: {e}")
         for text, out in zip(texts, outputs):
             print(f"### {text}")
             for completion in out.outputs:

@@ -3,8 +3,8 @@
 A server drives it from a background loop (add_request / abort_request from request handlers, step in
 the loop); LLM (llm.py) drives it to completion for offline batches. What a front end may use is
 `limits`, `add_request` (which checks everything and raises RequestError), `abort_request`,
-`has_unfinished_requests` / `num_unfinished_requests`, `step`, `stats()` and `tokenizer`; the
-scheduler, the block manager and the runner are the engine's own.
+`has_unfinished_requests` / `num_unfinished_requests`, `step`, `stats()`, `tokenizer` and `gate.compiler`
+(structured outputs'); the scheduler, the block manager and the runner are the engine's own.
 """
 
 import dataclasses
@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 import models
 from models.loader import cache_dir, shard_model
 from models.sharding import make_mesh
-from paged_jax.core import beam_search, distributed, output_processor, validation
+from paged_jax.core import beam_search, distributed, output_processor, structured_output, validation
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig, default_device, default_dtype, resolve
 from paged_jax.core.engine_stats import EngineStats
@@ -95,6 +95,7 @@ class LLMEngine:
                                    self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -151,7 +152,7 @@ class LLMEngine:
                        priority=priority, forks=1 if params.use_beam_search else params.n)
         self._requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
                                              list(token_ids), params, [seq], arrival_time, self.tokenizer)
-        self.scheduler.add(seq)
+        self.gate.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -181,12 +182,13 @@ class LLMEngine:
         The requests in the step are those it scheduled or, when scheduling itself failed, all that
         were running. The others go on, computed again if the failure took the KV cache with it.
         """
+        refused = [out for seq, e in self.gate.admit() for out in self._fail([seq.request_id], self._requests, e)]
         requests = dict(self._requests)  # as they stood before the step, in case it fails
         start = time.monotonic()
         out = None
         try:
             out = self.scheduler.schedule()
-            return self._run(out, start)
+            return refused + self._run(out, start)
         except Exception as error:
             logger.exception("an engine step failed; its requests end with an error")
             seqs = self.scheduler.running if out is None else [*(s.seq for s in out.scheduled), *out.forked]
@@ -272,7 +274,8 @@ class LLMEngine:
         seq.cumulative_logprob += float(sampled.logprobs[row])
         text = request.sample(seq).text
         text.add(token)
-        reason = check_stop(seq, token, text, self.eos_token_ids, self.resolved.max_model_len)
+        reason = self.gate.refusal(seq, token) or check_stop(seq, token, text, self.eos_token_ids,
+                                                             self.resolved.max_model_len)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
             seq.finish_time = now
@@ -280,7 +283,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         cache, blocks = self.blocks.cache, self.blocks
-        waiting = len({seq.request_id for seq in self.scheduler.waiting})
+        waiting = len({seq.request_id for seq in self.scheduler.waiting} | self.gate.request_ids)
         return EngineStats(
             num_running_requests=len(self._requests) - waiting, num_waiting_requests=waiting,
             num_blocks=blocks.num_blocks - 1, num_free_blocks=blocks.num_free, num_cached_blocks=blocks.num_evictable,

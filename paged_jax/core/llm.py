@@ -42,8 +42,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """prompts: a text, a list of token ids, or a list of either. sampling_params: one for all, or
         one per prompt. priority: one per prompt, for scheduling_policy "priority" (lower runs first).
-        Every request is checked before any runs: one bad prompt fails the call and leaves the engine
-        as it was. Each output is whole, whatever output_kind the params ask for."""
+        Every request is checked before any runs: one bad prompt, or a constraint that does not compile
+        (a GrammarError, a RequestError), fails the call and leaves the engine as it was. Each output is
+        whole, whatever output_kind the params ask for."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -53,6 +54,10 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        compiler = self.engine.gate.compiler
+        for params in sampling_params:
+            if params is not None and params.structured_outputs is not None and compiler is not None:
+                compiler.submit(params.structured_outputs).result()
         ids = []
         try:
             for prompt, params, rank in zip(prompts, sampling_params, priority):
@@ -70,15 +75,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them. tools:
+        OpenAI's function tools ({"type": "function", "function": {"name", "parameters", ...}}), for the
+        chat template to show the model; the reply's tool calls are in its text, in the model's format
+        (paged_jax.serving.tool_parsers reads them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt(c) for c in conversations]
+        prompts = [self.chat_prompt(c, tools=tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def chat_prompt(self, conversation: list[dict]) -> list[int]:
+    def chat_prompt(self, conversation: list[dict], *, tools: list[dict] | None = None) -> list[int]:
         """The token ids of a conversation under the tokenizer's chat template, ready for a reply."""
-        return chat_prompt(self.tokenizer, conversation)
+        return chat_prompt(self.tokenizer, conversation, tools=tools)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
@@ -93,8 +102,10 @@ class LLM:
 
 
 def chat_prompt(tokenizer, conversation: list[dict], *, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     """The token ids of a conversation under the tokenizer's chat template (the template writes the
-    special tokens, so none are added by default)."""
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    special tokens, so none are added by default). tools: given to the template, which shows them to
+    the model if it knows how."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

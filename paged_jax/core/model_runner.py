@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import sharding
-from paged_jax.core import distributed, sampling
+from paged_jax.core import distributed, sampling, structured_output
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.config import ResolvedConfig
@@ -155,15 +155,18 @@ class ModelRunner:
     def host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInput, sampling.SamplingTensors]:
         """The step's host arrays for these sequences: the flat batch and page tables, the sampling tensors."""
         seqs = [s.seq for s in scheduled]
+        # A row that does not sample this step (a prompt chunk) has nothing to constrain.
+        guides = [s.seq.guide if s.samples else None for s in scheduled]
         return build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets), self._sampling_tensors(
             [s.params for s in seqs], [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs],
-            [s.token_ids[: s.num_prompt_tokens] for s in seqs], [s.output_token_ids for s in seqs])
+            [s.token_ids[: s.num_prompt_tokens] for s in seqs], [s.output_token_ids for s in seqs], guides)
 
-    def _sampling_tensors(self, params, seeds, prompt_ids, output_ids) -> sampling.SamplingTensors:
+    def _sampling_tensors(self, params, seeds, prompt_ids, output_ids, guides=()) -> sampling.SamplingTensors:
+        rows, vocab = self.resolved.buckets.sample_rows(len(params)), self.model_config.vocab_size
+        allowed = structured_output.allowed_tokens(guides, rows, vocab) if any(g is not None for g in guides) else None
         return sampling.make_sampling_tensors(
-            params, seeds, prompt_ids, output_ids, self.model_config.eos_token_ids,
-            pad_rows_to=self.resolved.buckets.sample_rows(len(params)), vocab_size=self.model_config.vocab_size,
-            history_width=self.resolved.max_model_len)
+            params, seeds, prompt_ids, output_ids, self.model_config.eos_token_ids, allowed=allowed,
+            pad_rows_to=rows, vocab_size=vocab, history_width=self.resolved.max_model_len)
 
     def step_args(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict]:
         """(args, keywords) that `execute` calls `step`, the model call, with for these sequences: the

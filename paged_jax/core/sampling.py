@@ -5,7 +5,9 @@ The host packs the rows' parameters into a `SamplingTensors` pytree (`make_sampl
 
 1. logprobs are taken from the raw logits, before penalties and temperature (vLLM's default
    "raw_logprobs": they describe the model, not the sampler's reshaping of it);
-2. repetition, presence and frequency penalties; EOS and stop ids banned until min_tokens;
+2. repetition, presence and frequency penalties; EOS and stop ids banned until min_tokens; then
+   every token the row's constraint does not allow (structured outputs: a bitmask, all ones for an
+   unconstrained row);
 3. greedy rows (temperature 0) take the argmax here;
 4. the other rows divide by their temperature, keep their top_k, then the smallest head of that
    whose probability reaches top_p, then drop tokens below min_p times the top probability, and
@@ -19,6 +21,7 @@ batch of a row count, and the only other shape is whether any row has penalties 
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -76,6 +79,7 @@ def make_sampling_tensors(
     output_ids: Sequence[Sequence[int]],
     eos_ids: Sequence[int],
     *,
+    allowed: np.ndarray | None = None,
     pad_rows_to: int,
     vocab_size: int,
     history_width: int,
@@ -88,6 +92,8 @@ def make_sampling_tensors(
         far; len(output_ids[i]) is the row's step.
     eos_ids: the model's end-of-sequence ids, banned with stop_token_ids until min_tokens (unless
         ignore_eos).
+    allowed: int32 [pad_rows_to, ceil(vocab_size / 32)], each row's allowed tokens as bits (structured
+        outputs; None: none barred). Folded into the ban mask: a constraint adds no input and no shape.
     pad_rows_to: S, the batch bucket; rows past len(params) are greedy padding.
     vocab_size: the logits' width (at least), for the ban mask.
     history_width: H when some row has penalties, at least any row's prompt and output together (the
@@ -116,6 +122,10 @@ def make_sampling_tensors(
         ids = np.asarray(_banned_ids(p, len(out), eos_ids), np.int64)
         ids = ids[ids < vocab_size]  # a stop id the model never produces needs no ban
         np.bitwise_or.at(banned[row], ids // _BITS, (1 << (ids % _BITS)).astype(np.uint32))
+    if allowed is not None:
+        if allowed.shape != banned.shape:
+            raise ValueError(f"the allowed-token mask is {allowed.shape}, the ban mask {banned.shape}")
+        banned |= ~allowed.view(np.uint32)
     sampled = [p for p in params if not p.greedy]
     do_penalties = any(p.uses_penalties for p in params)
     history = np.full((pad_rows_to, history_width if do_penalties else 0), -1, np.int32)
@@ -143,6 +153,14 @@ def make_sampling_tensors(
         do_top_k_top_p=np.bool_(any(p.top_k > 0 or p.top_p < 1 for p in sampled)),
         any_logprobs=np.bool_(any(p.logprobs for p in params)),
     )
+
+
+@functools.cache
+def all_allowed(rows: int, vocab_size: int) -> np.ndarray:
+    """int32 [rows, ceil(vocab_size / 32)], every bit set: no token barred. Cached and read-only."""
+    ones = np.full((rows, -(-vocab_size // 32)), -1, np.int32)
+    ones.flags.writeable = False
+    return ones
 
 
 def _banned_ids(p: SamplingParams, generated: int, eos_ids: Sequence[int]) -> tuple[int, ...]:

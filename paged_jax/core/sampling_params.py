@@ -2,7 +2,8 @@
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -24,6 +25,49 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on what a request generates, exactly one of (vLLM's names):
+
+    json: a JSON schema (a dict, or its JSON text) the output must validate against;
+    regex: a regular expression (Rust's `regex` syntax) the whole output must match;
+    choice: the output is one of these strings;
+    grammar: a context-free grammar, in Lark or GBNF syntax (llguidance's);
+    json_object: any JSON object.
+
+    JSON is generated compact (", " and ": " between items, no other whitespace) unless
+    whitespace_pattern gives a regex for the whitespace allowed between tokens: free whitespace lets a
+    small model write newlines until max_tokens. `choice` is stored as a tuple.
+    """
+
+    json: str | Mapping | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, regex, choice, grammar and "
+                             f"json_object, got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        elif self.json is not None and not isinstance(self.json, Mapping):
+            _bad("structured_outputs.json", self.json, "must be a JSON schema: an object or its JSON text")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice):
+                _bad("structured_outputs.choice", self.choice, "must be a list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                _bad(f"structured_outputs.{name}", getattr(self, name), "must be a string")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each generated token of one request, and when to stop.
 
@@ -31,7 +75,8 @@ class SamplingParams:
     a tuple of strings and `stop_token_ids` as a tuple of ints. With `use_beam_search` the beam width
     is `n` and the search is deterministic, so temperature must be 0 and top_p/top_k/min_p off.
     `seed` is any int; without one the engine draws a seed for the request. `output_kind` says what
-    each of the request's outputs holds (RequestOutputKind).
+    each of the request's outputs holds (RequestOutputKind). `structured_outputs` constrains the output
+    to a schema, regex, choice or grammar (not with beam search).
     """
 
     n: int = 1
@@ -52,6 +97,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -105,8 +151,13 @@ class SamplingParams:
             _bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             _bad("logprobs", self.logprobs, f"must be None or in [0, {MAX_LOGPROBS}]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
 
     def _check_beam_search(self):
+        if self.structured_outputs is not None:
+            # Beams rank the model's own top proposals, which a constraint would have to re-rank.
+            _bad("structured_outputs", self.structured_outputs, "is not supported with use_beam_search")
         if self.n < 2:
             _bad("n", self.n, "is the beam width and must be at least 2 with use_beam_search")
         if not self.greedy:

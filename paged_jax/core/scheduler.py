@@ -253,9 +253,11 @@ class Scheduler:
         return forked[::-1]
 
     def fork(self, parent: Sequence, *, seq_id: int, index: int) -> Sequence:
-        """A copy of parent that shares its KV blocks (copy-on-write) and queues right behind it."""
+        """A copy of parent that shares its KV blocks (copy-on-write) and queues right behind it, with a
+        copy of its constraint's matcher."""
         child = dataclasses.replace(parent, seq_id=seq_id, index=index, forks=1, token_ids=list(parent.token_ids),
-                                    block_ids=list(parent.block_ids), logprobs=[], beam_candidates=None)
+                                    block_ids=list(parent.block_ids), logprobs=[], beam_candidates=None,
+                                    guide=parent.guide and parent.guide.fork())
         self.blocks.share(parent.block_ids)
         queue = self.running if parent.status is Status.RUNNING else self.waiting
         queue.insert(list(queue).index(parent) + 1, child)

@@ -2,8 +2,12 @@
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 from paged_jax.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_jax.core.structured_output import Guide
 
 
 class Status(enum.Enum):
@@ -46,6 +50,8 @@ class Sequence:
     num_preemptions: int = 0
     # Beam search: this beam's proposals (token, logprob) for its next token, awaiting selection.
     beam_candidates: list[tuple[int, float]] | None = None
+    # Structured outputs: the matcher of the sequence's constraint, advanced with each output token.
+    guide: "Guide | None" = None
 
     @property
     def output_token_ids(self) -> list[int]:

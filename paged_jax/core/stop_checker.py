@@ -1,5 +1,6 @@
 """When a sample stops, as vLLM decides it: a stop token id, EOS (unless ignore_eos), a stop string
-(found by its OutputText), all held off until min_tokens; then max_tokens or the context's end."""
+(found by its OutputText), all held off until min_tokens; a constraint whose grammar admits nothing
+more; then max_tokens or the context's end."""
 
 from paged_jax.core.output_text import OutputText
 from paged_jax.core.sequence import Sequence
@@ -17,6 +18,8 @@ def check_stop(seq: Sequence, token: int, text: OutputText, eos_token_ids: froze
         stop = text.find_stop() if params.stop else None
         if stop is not None:
             return "stop", stop
+    if seq.guide is not None and seq.guide.finished:
+        return "stop", None
     if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         return "length", None
     return None

@@ -49,6 +49,8 @@ def check_request(prompt: str | Sequence[int], params: SamplingParams, priority:
         raise RequestError("this model has no tokenizer: give prompts as token ids", "prompt")
     if not has_tokenizer and params.stop:
         raise RequestError("this model has no tokenizer: stop strings cannot be matched; use stop_token_ids", "stop")
+    if not has_tokenizer and params.structured_outputs is not None:
+        raise RequestError("this model has no tokenizer, which structured outputs need", "structured_outputs")
     check_token_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
     if params.use_beam_search:
         if 2 * params.n > MAX_LOGPROBS:

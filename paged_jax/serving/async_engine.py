@@ -43,6 +43,9 @@ class AsyncLLMEngine:
         self.engine = engine
         self.limits: EngineLimits = engine.limits
         self.tokenizer = engine.tokenizer
+        # Structured outputs' compiler (thread-safe): a front end compiles a request's constraint before
+        # adding it, to refuse one that does not compile; the engine then finds it cached.
+        self.grammars = engine.gate.compiler
         self._loop = EngineLoop(engine, max_num_queued_reqs, max_queue_time, stat_loggers, warm_up)
 
     @classmethod

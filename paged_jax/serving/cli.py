@@ -25,6 +25,7 @@ from paged_jax.core import distributed
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.engine import LLMEngine
 from paged_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
+from paged_jax.serving.tool_parsers import PARSERS
 
 API_KEY_ENV = "PAGED_JAX_API_KEY"
 
@@ -68,6 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "circuit breaker: /ready and new requests answer 503 until a step succeeds (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds running requests get to finish")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": read the calls the model writes with --tool-call-parser')
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
+                   help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2.5, Hermes) or "
+                        "llama3_json (Llama 3.1's JSON)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     _add_engine_flags(p.add_argument_group("engine options (vLLM's names)"))
@@ -80,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             max_num_queued_reqs=args.max_num_queued_reqs, request_timeout=args.request_timeout,
             max_tokens_cap=args.max_tokens_cap, max_request_bytes=args.max_request_bytes,
             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, max_queue_time=args.max_queue_time,
-            breaker_threshold=args.breaker_threshold)
+            breaker_threshold=args.breaker_threshold, enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser)
     except ValueError as e:
         p.error(str(e))
     return args

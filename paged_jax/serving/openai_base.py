@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 from paged_jax.core.errors import RequestError
 from paged_jax.core.outputs import RequestOutput
-from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
+from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from paged_jax.core.validation import check_prompt_length
 from paged_jax.serving.async_engine import AsyncLLMEngine, RequestStream
 from paged_jax.serving.openai_errors import APIError, bad_request, refused
 from paged_jax.serving.openai_logprobs import LogprobFormatter
 from paged_jax.serving.openai_protocol import SamplingRequest, UsageInfo
+from paged_jax.serving.structured_requests import RequestConstraint, compiled, request_constraint
 
 if TYPE_CHECKING:  # slo.py builds on this module's errors
     from paged_jax.serving.slo import SloGuard
@@ -47,9 +48,12 @@ def num_tokens(outputs: Sequence[RequestOutput]) -> int:
 
 class OpenAIBase:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, *, max_tokens_cap: int | None = None,
-                 request_timeout: float | None = None, guard: "SloGuard | None" = None):
+                 request_timeout: float | None = None, guard: "SloGuard | None" = None,
+                 auto_tool_parser: str | None = None):
         """max_tokens_cap: the most tokens one request may ask for. request_timeout: seconds a request
-        may take at most (each request may ask for less). guard: latency objectives (slo.py)."""
+        may take at most (each request may ask for less). guard: latency objectives (slo.py).
+        auto_tool_parser: the tool_parsers.PARSERS name tool_choice "auto" reads calls with (None:
+        "auto" is refused)."""
         self.engine = engine
         self.guard = guard
         self.model_name = model_name
@@ -58,6 +62,7 @@ class OpenAIBase:
         self.tokenizer = engine.tokenizer
         self.limits = engine.limits
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.auto_tool_parser = auto_tool_parser
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -77,8 +82,20 @@ class OpenAIBase:
     def _prompt_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else self._decode(prompt.token_ids)
 
+    async def _constraint(self, request: SamplingRequest) -> RequestConstraint:
+        """The request's constraint, compiled (off the event loop, and cached for the engine), or a 400
+        naming the field at fault."""
+        try:
+            constraint = request_constraint(request, auto_tool_parser=self.auto_tool_parser)
+            for param, so in constraint.checks:
+                await compiled(self.engine.grammars, so, param)
+        except RequestError as e:
+            raise refused(e) from e
+        return constraint
+
     def _sampling_params(self, request: SamplingRequest, prompt_len: int, max_tokens: int | None, name: str,
-                         logprobs: int | None, *, default_max_tokens: int | None = None) -> SamplingParams:
+                         logprobs: int | None, structured_outputs: StructuredOutputsParams | None = None, *,
+                         default_max_tokens: int | None = None) -> SamplingParams:
         """The request's SamplingParams for a prompt of prompt_len tokens; refuses what cannot fit.
         Without max_tokens, a request gets default_max_tokens (None: all the room the context leaves),
         within the server's cap and the context. A streamed request's outputs are its deltas."""
@@ -107,7 +124,8 @@ class OpenAIBase:
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                 seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
-                output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
+                output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+                structured_outputs=structured_outputs)
         except RequestError as e:
             raise refused(e) from e
 

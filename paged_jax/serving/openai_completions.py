@@ -22,8 +22,9 @@ class CompletionServing(OpenAIBase):
             raise bad_request("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                               "echo", code="unsupported_parameter")
         prompts = self._completion_prompts(request.prompt)
+        constraint = await self._constraint(request)
         params = [self._sampling_params(request, len(p.token_ids), request.max_tokens, "max_tokens", request.logprobs,
-                                        default_max_tokens=16) for p in prompts]
+                                        constraint.structured_outputs, default_max_tokens=16) for p in prompts]
         response_id = random_id("cmpl")
         streams = await self._submit(response_id, prompts, params, request)
         if request.stream:

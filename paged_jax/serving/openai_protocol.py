@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidato
 from pydantic_core import PydanticCustomError
 
 from paged_jax.core.sampling_params import MAX_LOGPROBS
+from paged_jax.serving.structured_protocol import ConstraintFields, DeltaToolCall, ToolCallIn, ToolCallOut, ToolFields
 
 
 def one_of(forms: str) -> WrapValidator:
@@ -43,8 +44,6 @@ class OpenAIModel(BaseModel):
 
 # Parameters of OpenAI's API the engine does not implement, with the values that mean "not used".
 _OFF_VALUES = {
-    "response_format": ({"type": "text"},),
-    "tool_choice": ("none",),
     "modalities": (["text"],),
     "service_tier": ("auto", "default"),
 }
@@ -72,7 +71,7 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(_Request, ConstraintFields):
     """What completions and chat completions share: OpenAI's sampling fields and vLLM's extras."""
 
     model: str | None = Field(None, description="The served model's name; omitted means that model.")
@@ -123,16 +122,17 @@ class TextContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextContentPart] | None, one_of("a string or a list of text parts "
                                                                  "({'type': 'text', 'text': ...})")] = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
-class ChatCompletionRequest(SamplingRequest):
-    UNSUPPORTED: ClassVar = ("logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call",
-                             "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort",
-                             "web_search_options", "service_tier", "store", "metadata", "verbosity")
+class ChatCompletionRequest(SamplingRequest, ToolFields):
+    UNSUPPORTED: ClassVar = ("logit_bias", "functions", "function_call", "audio", "modalities", "prediction",
+                             "reasoning_effort", "web_search_options", "service_tier", "store", "metadata", "verbosity")
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
@@ -158,7 +158,7 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = []
 
 
-FinishReason = Literal["stop", "length", "abort", "timeout", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "timeout", "error"]
 
 
 class CompletionChoice(BaseModel):
@@ -194,7 +194,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatCompletionChoice(BaseModel):
@@ -217,6 +218,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

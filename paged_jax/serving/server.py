@@ -34,6 +34,7 @@ from paged_jax.serving.openai_protocol import (ChatCompletionRequest, ChatComple
                                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                        ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
 from paged_jax.serving.openai_serving import APIError, EventStream, OpenAIServing
+from paged_jax.serving.tool_parsers import PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class ServerConfig:
     slo_tpot_ms: float | None = None  # time per output token objective
     max_queue_time: float | None = None  # seconds a request may wait for admission, then 503
     breaker_threshold: int = 3  # consecutive failed steps that open the circuit breaker
+    # tool_choice "auto": the model's calls are read with this tool_parsers.PARSERS format.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         for name in ("max_num_queued_reqs", "request_timeout", "max_tokens_cap", "max_request_bytes", "slo_ttft_ms",
@@ -66,6 +70,10 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -86,8 +94,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                                       stat_loggers=[metrics, *guardrails.stat_loggers])
         guardrails.bind(async_engine)
         app.state.engine = async_engine
-        app.state.serving = OpenAIServing(async_engine, config.served_model_name, max_tokens_cap=config.max_tokens_cap,
-                                          request_timeout=config.request_timeout, guard=guardrails.guard)
+        app.state.serving = OpenAIServing(
+            async_engine, config.served_model_name, max_tokens_cap=config.max_tokens_cap,
+            request_timeout=config.request_timeout, guard=guardrails.guard,
+            auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None)
         try:
             yield
         finally:

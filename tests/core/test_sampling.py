@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from paged_jax.core.sampling import apply_penalties, make_sampling_tensors, sample
+from paged_jax.core.sampling import all_allowed, apply_penalties, make_sampling_tensors, sample
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 EOS = 0
@@ -25,6 +25,7 @@ def build(params, *, seeds=None, prompts=None, outputs=None, pad_rows_to=None):
         [[]] * n if prompts is None else prompts,
         [[]] * n if outputs is None else outputs,
         [EOS],
+        allowed=all_allowed(n if pad_rows_to is None else pad_rows_to, VOCAB_SIZE),
         pad_rows_to=n if pad_rows_to is None else pad_rows_to,
         vocab_size=VOCAB_SIZE,
         history_width=HISTORY_WIDTH,

@@ -118,9 +118,9 @@ def test_typed_errors(client):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=9000)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=MODEL, prompt="hi", logit_bias={"5": 10})
-    with pytest.raises(openai.BadRequestError, match="response_format"):
+    with pytest.raises(openai.BadRequestError, match="functions is not supported"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       response_format={"type": "json_object"})
+                                       functions=[{"name": "f", "parameters": {"type": "object"}}])
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     wrong = openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0)
