@@ -33,7 +33,7 @@ import subprocess
 import sys
 
 import bench_throughput
-from paged_jax.research import step_profile
+from paged_jax.research import machine, step_profile
 
 DRIVER = pathlib.Path(__file__).with_name("peer_driver.py")
 DRIVER_MARKER = "@@peer "  # peer_driver.MARKER (not imported: the driver is for the peers' environments)
@@ -176,6 +176,7 @@ def main(argv=None) -> dict:
 
     ratios = {p: [row["paged-jax"] / row[p] for row in rounds] for p in args.peers}
     figures = {
+        "machine": machine.describe(),
         "workload": workload.get("name", args.workload),
         "requests": len(requests),
         "output_tokens": sum(r["max_new_tokens"] for r in requests),
@@ -186,6 +187,7 @@ def main(argv=None) -> dict:
         "hf_folder": str(folder),
         "load_average": os.getloadavg(),
     }
+    print(machine.one_line(figures["machine"]))
     print(format_table(systems, rounds, ratios))
     for name, check in checks.items():
         print(f"greedy tokens, {name} against paged-jax: agreement {check['agreement']:.2f} "

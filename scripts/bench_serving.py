@@ -26,6 +26,8 @@ import time
 import httpx
 import numpy as np
 
+from paged_jax.research import machine
+
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -144,6 +146,8 @@ def start_server(model: str, extra: str) -> tuple[subprocess.Popen, str]:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    where = machine.describe()
+    print(machine.one_line(where))
     requests = json.loads(pathlib.Path(args.workload).read_text())["requests"][: args.num_requests]
     server, base_url = (None, args.base_url) if args.base_url else start_server(args.model, args.server_args)
     try:
@@ -163,7 +167,7 @@ def main(argv=None) -> list[dict]:
             server.wait(120)
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps({"workload": args.workload, "runs": summaries}, indent=2))
+        pathlib.Path(args.json).write_text(json.dumps({"machine": where, "workload": args.workload, "runs": summaries}, indent=2))
     return summaries
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from paged_jax import LLMEngine, SamplingParams
 from kernels_pallas.layout import LAYOUTS
-from paged_jax.research import step_profile
+from paged_jax.research import machine, step_profile
 from paged_jax.core.config import DTYPES, MATMUL_BACKENDS
 from paged_jax.research.step_profile import matmul_peak_gflops
 
@@ -184,6 +184,7 @@ def main(argv=None) -> dict:
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
     flops = model_flops(engine.model_config, requests)
     figures = {
+        "machine": machine.describe(),
         "workload": workload.get("name", args.workload),
         "requests": len(requests),
         "wall_s": round(elapsed, 2),
@@ -209,8 +210,10 @@ def main(argv=None) -> dict:
         n = args.profile_requests
         ms, steps = collective_ms_per_step(engine, requests[:n], params[:n])
         figures |= {"collective_ms_per_step": round(ms, 2), "profiled_steps": steps}
+    print(machine.one_line(figures["machine"]))
     for name, value in figures.items():
-        print(f"{name:>24}: {value}")
+        if name != "machine":
+            print(f"{name:>24}: {value}")
     if args.profile:
         figures["profile"] = step_profile.profile_run(engine, requests, params, matmul_peak=peak)
         print(step_profile.format_profile(figures["profile"]))
