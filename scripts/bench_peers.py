@@ -11,7 +11,9 @@ paged-jax's ratio to each peer per round and the median ratio. Peers:
   offline `LLM.generate` with its defaults, float32.
 Every peer is a long-lived process (scripts/peer_driver.py) that loads its model once and runs a round
 on request; it is warmed up on a few short requests first, so rounds measure throughput, not start-up.
-paged-jax warms up on the whole workload (it compiles each batch shape once). Both peers read a
+paged-jax warms up on the whole workload (it compiles each batch shape once); each round is one
+`LLM.generate` call, as the vLLM peer's is, after its prefix cache is emptied (vLLM runs without
+one), so that every system computes every prompt. Both peers read a
 float32 Hugging Face folder: the model's own where --model is one, else its GGUF dequantized once
 into the cache directory.
 
@@ -156,12 +158,14 @@ def main(argv=None) -> dict:
 
     systems = ["paged-jax", *args.peers]
     rounds: list[dict[str, float]] = []
+    hits: list[int] = []  # prompt tokens paged-jax's prefix cache served per round: 0, as the peers have none
     checks = {}
     try:
         for r in range(args.rounds):
             engine.blocks.reset_prefix_cache()  # every round computes every prompt
             ours = bench_throughput.run_workload(engine, requests, params)
             row = {"paged-jax": ours.produced / ours.elapsed}
+            hits.append(ours.prefix_hit_tokens)
             for peer in peers:
                 result = peer.run(plain)
                 row[peer.name] = result["output_tokens"] / result["wall_s"]
@@ -184,6 +188,7 @@ def main(argv=None) -> dict:
         "ratios": {p: [round(x, 3) for x in v] for p, v in ratios.items()},
         "median_ratio": {p: round(statistics.median(v), 3) for p, v in ratios.items()},
         "token_agreement": checks,
+        "prefix_hit_tokens": hits,
         "hf_folder": str(folder),
         "load_average": os.getloadavg(),
     }

