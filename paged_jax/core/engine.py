@@ -231,7 +231,8 @@ class LLMEngine:
         for request in (requests[i] for i in request_ids if i in requests):
             self._requests.pop(request.request_id, None)
             # No text: decoding may be what failed.
-            completions = [CompletionOutput(s.index, "", list(s.output_token_ids), s.cumulative_logprob, None, "error")
+            completions = [CompletionOutput(s.index, "", list(s.output_token_ids),
+                                            s.cumulative_logprob if s.params.logprobs is not None else None, None, "error")
                            for s in request.seqs]
             metrics = self._metrics(request, now, max((len(c.token_ids) for c in completions), default=0))
             outputs.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
@@ -323,7 +324,8 @@ class LLMEngine:
             for tid, lp in zip(sampled.top_ids[row, : seq.params.logprobs], sampled.top_logprobs[row, : seq.params.logprobs]):
                 entry.setdefault(int(tid), float(lp))
             seq.logprobs.append(entry)
-        seq.cumulative_logprob += float(sampled.logprobs[row])
+            # Only then does the sampler compute logprobs (sampling.py); vLLM's rule too.
+            seq.cumulative_logprob += float(sampled.logprobs[row])
         reason = self._stop_reason(seq, token)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
@@ -364,7 +366,7 @@ class LLMEngine:
                 text = text[: text.find(seq.stop_reason)]
             completions.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
+                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         finished = len(completions) == request.params.n and all(c.finished for c in completions)

@@ -4,7 +4,10 @@ The host packs the rows' parameters into a `SamplingTensors` pytree (`make_sampl
 `sample` applies them as vLLM does:
 
 1. logprobs are taken from the raw logits, before penalties and temperature (vLLM's default
-   "raw_logprobs": they describe the model, not the sampler's reshaping of it);
+   "raw_logprobs": they describe the model, not the sampler's reshaping of it), in steps where a row
+   asks for them (logprobs not None); a step where none does skips the log-softmax over the
+   vocabulary, and its chosen-token logprobs are NaN (as in vLLM, such a request has no
+   cumulative_logprob);
 2. repetition, presence and frequency penalties; EOS and stop ids banned until min_tokens;
 3. greedy rows (temperature 0) take the argmax here;
 4. the other rows divide by their temperature, keep their top_k, then the smallest head of that
@@ -55,7 +58,8 @@ class SamplingTensors:
     all_greedy: bool = dataclasses.field(metadata=_STATIC, default=True)
     do_top_k_top_p: bool = dataclasses.field(metadata=_STATIC, default=False)
     do_penalties: bool = dataclasses.field(metadata=_STATIC, default=False)
-    # 0 or MAX_LOGPROBS (capped at the vocabulary); rows asking for fewer slice their share.
+    # 0: no row asks for logprobs, and none are computed; MAX_LOGPROBS (capped at the vocabulary):
+    # every row's are, rows asking for fewer slice their share. Two variants of each program.
     num_top_logprobs: int = dataclasses.field(metadata=_STATIC, default=0)
 
 
@@ -63,7 +67,7 @@ class SamplingTensors:
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     tokens: jax.Array  # int32 [S]
-    logprobs: jax.Array  # f32 [S]             raw logprob of each chosen token
+    logprobs: jax.Array  # f32 [S]             raw logprob of each chosen token; NaN unless num_top_logprobs
     top_logprobs: jax.Array  # f32 [S, K]      K = the tensors' num_top_logprobs, largest first
     top_ids: jax.Array  # int32 [S, K]
 
@@ -129,7 +133,7 @@ def make_sampling_tensors(
         all_greedy=not sampled,
         do_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
         do_penalties=do_penalties,
-        num_top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
+        num_top_logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else 0,
     )
 
 
@@ -159,7 +163,7 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     if logits.shape[0] != num_rows:
         raise ValueError(f"logits have {logits.shape[0]} rows, the sampling tensors {num_rows}")
     logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jax.nn.log_softmax(logits, axis=-1) if t.num_top_logprobs else None
     if t.do_penalties:
         logits = apply_penalties(logits, t)
     rows, cols = _scatter_index(t.banned_ids, logits.shape[-1])
@@ -167,6 +171,9 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not t.all_greedy:
         tokens = jnp.where(t.temperature == 0, tokens, _random_tokens(logits, t))
+    if logprobs is None:
+        nothing = jnp.zeros((num_rows, 0))
+        return SamplerOutput(tokens, jnp.full(num_rows, jnp.nan), nothing, nothing.astype(jnp.int32))
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(t.num_top_logprobs, logits.shape[-1]))
     return SamplerOutput(
         tokens=tokens,

@@ -322,10 +322,35 @@ def test_logprobs_are_of_the_raw_distribution():
     np.testing.assert_allclose(out.top_logprobs, top_ids_logprobs, atol=1e-5)
 
 
-def test_top_logprobs_only_when_asked_and_capped_at_the_vocabulary():
+def test_logprobs_only_when_asked_and_capped_at_the_vocabulary():
     logits = np.zeros((2, 8), np.float32)
-    assert sample(logits, build([SamplingParams(logprobs=0), SamplingParams()])).top_ids.shape == (2, 0)
-    assert sample(logits, build([SamplingParams(logprobs=2), SamplingParams()])).top_ids.shape == (2, 8)
+    none = sample(logits, build([SamplingParams(), SamplingParams()]))
+    assert none.top_ids.shape == (2, 0) and np.isnan(none.logprobs).all()  # not computed
+    for asked in (0, 2):  # logprobs=0 still asks for the chosen token's
+        out = sample(logits, build([SamplingParams(logprobs=asked), SamplingParams()]))
+        assert out.top_ids.shape == (2, 8)
+        np.testing.assert_allclose(out.logprobs, [np.log(1 / 8)] * 2, rtol=1e-6)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive in a jaxpr, those of the jaxprs inside its equations (jit, cond, ...) included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's inner jaxpr
+                if hasattr(sub, "eqns"):
+                    names |= _primitives(sub)
+    return names
+
+
+def test_a_greedy_step_without_logprobs_computes_no_softmax():
+    """The log-softmax over the vocabulary (exp, log, a sum per row) only in steps that asked for it."""
+    logits = np.zeros((4, 64), np.float32)
+    without = _primitives(jax.make_jaxpr(sample)(logits, build([SamplingParams(temperature=0)] * 4)).jaxpr)
+    asked = _primitives(jax.make_jaxpr(sample)(logits, build([SamplingParams(temperature=0, logprobs=0)] * 4)).jaxpr)
+    assert {"exp", "log"} <= asked and not {"exp", "log"} & without
 
 
 def test_batches_of_one_bucket_share_one_compilation():
