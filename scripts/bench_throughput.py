@@ -35,7 +35,7 @@ import numpy as np
 from paged_jax import LLM, LLMEngine, SamplingParams
 from kernels_pallas.layout import LAYOUTS
 from paged_jax.research import machine, step_profile
-from paged_jax.core.config import DTYPES, MATMUL_BACKENDS
+from paged_jax.core.config import DTYPES, KV_CACHE_DTYPES, MATMUL_BACKENDS
 from paged_jax.research.step_profile import matmul_peak_gflops
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
@@ -53,6 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", choices=("auto", *LAYOUTS), default="auto",
                    help="of the KV pages (kernels_pallas/layout.py)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="of the KV cache alone (auto: --dtype's); bfloat16 under float32 weights: a precision row")
     p.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
                    help="auto: the C++ kernel over packed weights for float32 on one CPU device, else XLA")
 
@@ -103,6 +105,7 @@ def make_engine(args) -> LLMEngine:
     """The engine add_engine_args' options describe."""
     return LLMEngine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                                      max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                                     kv_cache_dtype=args.kv_cache_dtype,
                                      matmul_backend=args.matmul_backend, kv_layout=args.kv_layout,
                                      tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
@@ -212,6 +215,7 @@ def main(argv=None) -> dict:
         "compiles_after_warmup": engine.runner.num_compiles - compiles_before,
         "prefix_hit_tokens": timed.prefix_hit_tokens,
         "dtype": dtype,
+        "kv_cache_dtype": engine.resolved.kv_cache_dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": engine.resolved.block_size,

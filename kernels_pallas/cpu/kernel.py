@@ -26,7 +26,8 @@ from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc"))
 _HEADERS = (_HERE / "common.h",)
-_TARGET = "paged_jax_paged_attention_cpu_f32"
+_TARGET = "paged_jax_paged_attention_cpu"
+PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the attention kernel reads
 _LINEAR = "paged_jax_linear_cpu_f32"
 PANEL = 16  # columns per panel of a packed weight (linear.cc's kPanel)
 _UNWRITTEN = "paged_jax_unwritten_buffer"
@@ -94,7 +95,7 @@ def build_error() -> str | None:
         return f"building the CPU kernels failed: {(e.stderr or '').strip()[-500:]}"
     except (OSError, RuntimeError) as e:
         return str(e)
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpuF32), platform="cpu")
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpu), platform="cpu")
     jax.ffi.register_ffi_target(_LINEAR, jax.ffi.pycapsule(library.LinearCpuF32), platform="cpu")
     jax.ffi.register_ffi_target(_UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")
     return None
@@ -134,20 +135,24 @@ def paged_attention_cpu(
     scale: float | None = None,
     layout: str = TOKEN_MAJOR,
 ) -> jax.Array:
-    """Same contract as paged_attention_reference, for float32 q and pages.
+    """Same contract as paged_attention_reference, computed in float32 over float32 or bfloat16 pages.
 
     The kernel streams each sequence's pages once per KV head and work item: decode rows one token
-    at a time, rows of several new tokens in query tiles whose dots run on register tiles.
+    at a time, rows of several new tokens in query tiles whose dots run on register tiles. bfloat16
+    pages are widened to float32 as they are read (exactly), so they halve the bytes read and change
+    nothing else; the only error against float32 pages is the rounding of K/V when they were written.
 
-    q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 pages in `layout` (layout.py; the
-    kernel is told the layout's strides); block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32
-    [num_seqs]; query_start_loc: int32 [num_seqs + 1]. Returns f32 [num_tokens, num_heads, head_dim].
-    max_query_len is the seam's static bound, unused: the kernel reads each row's length at run time.
+    q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 or bf16 pages (one dtype) in
+    `layout` (layout.py; the kernel is told the layout's strides); block_tables: int32 [num_seqs,
+    max_blocks_per_seq]; seq_lens: int32 [num_seqs]; query_start_loc: int32 [num_seqs + 1].
+    Returns f32 [num_tokens, num_heads, head_dim]. max_query_len is the seam's static bound, unused:
+    the kernel reads each row's length at run time.
     """
     if not available():
         raise RuntimeError("the CPU attention kernel could not be built; use the 'xla' path")
-    if q.dtype != np.float32 or k_pages.dtype != np.float32 or v_pages.dtype != np.float32:
-        raise ValueError(f"the CPU kernel takes float32 q and pages, got {q.dtype}, {k_pages.dtype}")
+    if q.dtype != np.float32 or k_pages.dtype not in PAGE_DTYPES or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"the CPU kernel takes float32 q and float32 or bfloat16 pages of one dtype, got {q.dtype}, "
+                         f"{k_pages.dtype} and {v_pages.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = (q, k_pages, v_pages, block_tables.astype(np.int32), seq_lens.astype(np.int32),
             query_start_loc.astype(np.int32))

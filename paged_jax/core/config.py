@@ -11,6 +11,8 @@ from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
 from paged_jax.core.policy import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
+# vLLM's names for the KV cache's dtype ("auto": the model's); "bf16" is "bfloat16".
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16")
 MATMUL_BACKENDS = ("auto", "cpu", "xla")
 # The KV budget where no device reports its memory (the CPU): what a laptop can spare.
 HOST_KV_CACHE_MEMORY_BYTES = 2 << 30
@@ -44,6 +46,10 @@ class EngineConfig:
     # Of the KV cache, and of the weights `LLMEngine.from_pretrained` loads. "auto": bfloat16 on a GPU,
     # float32 (the fast dtype there) on the CPU; for a model handed to the engine, its weights' dtype.
     dtype: str = "auto"
+    # The KV cache's alone: "bfloat16" under float32 weights halves the bytes decode reads and holds
+    # twice the tokens in the same budget; on the CPU the C++ kernel widens its pages to float32 as it
+    # reads them, so only K/V's rounding on write costs accuracy (scripts/eval_precision.py).
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     # The model's matmuls: "cpu" packs the weights once for the C++ kernel (kernels_pallas/cpu/linear.cc),
     # "xla" leaves them to XLA's dot; "auto" takes "cpu" for float32 weights on one CPU device.
@@ -73,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:
@@ -90,7 +98,8 @@ class ResolvedConfig:
     kv_layout: str  # one of kernels_pallas.LAYOUTS
     max_model_len: int
     max_blocks_per_seq: int
-    dtype: str  # of the KV cache: "float32" or "bfloat16"
+    dtype: str  # of the weights and the model's arithmetic: "float32" or "bfloat16"
+    kv_cache_dtype: str  # of the KV pages: "float32" or "bfloat16"
     platform: str  # the JAX platform the engine runs on: "gpu", "cpu", ...
     attention: BackendChoice  # the attention backend that runs (never "auto"), and why
     matmul: BackendChoice  # "cpu" or "xla" (never "auto"), and why
@@ -180,16 +189,17 @@ def kv_block_defaults(config: EngineConfig, attention_backend: str) -> tuple[int
 
 
 def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -> ResolvedConfig:
-    """Settle the run-time values: context length from the model, dtype from the weights, attention
-    backend from the platform, block count from the memory budget.
+    """Settle the run-time values: context length from the model, dtype (and the KV cache's, unless
+    asked) from the weights, attention backend from the platform, block count from the memory budget.
 
     model_config: a models.ModelConfig, as the engine runs it (KV heads' copies counted, as
         models.sharding lays them out); device: one of the devices the engine runs on;
     weights_dtype: the model's parameter dtype.
     """
     dtype = jnp.dtype(weights_dtype).name if config.dtype == "auto" else config.dtype
+    kv_dtype = {"auto": dtype, "bf16": "bfloat16"}.get(config.kv_cache_dtype, config.kv_cache_dtype)
     platform = device.platform
-    attention = choose_backend(config.attention_backend, dtype, platform)
+    attention = choose_backend(config.attention_backend, dtype, platform, kv_dtype=kv_dtype)
     backend = attention.backend
     if _BACKEND_PLATFORM.get(backend, platform) != platform:
         raise ValueError(f"attention_backend {backend!r} runs on {_BACKEND_PLATFORM[backend]} only, and this "
@@ -208,7 +218,7 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
         kv_heads = model_config.num_kv_heads
         if platform == "gpu":
             kv_heads //= config.tensor_parallel_size
-        per_block = bytes_per_block(model_config.num_layers, block_size, kv_heads, model_config.head_dim, dtype)
+        per_block = bytes_per_block(model_config.num_layers, block_size, kv_heads, model_config.head_dim, kv_dtype)
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
         num_blocks = min(kv_cache_budget(config, device) // per_block,
                          4 * -(-wanted // block_size) * config.max_num_seqs) + 1
@@ -225,5 +235,5 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     max_blocks_per_seq = -(-max_model_len // block_size)
     return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
                           max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
-                          dtype=dtype, platform=platform, attention=attention,
+                          dtype=dtype, kv_cache_dtype=kv_dtype, platform=platform, attention=attention,
                           matmul=choose_matmul_backend(config, platform, weights_dtype))

@@ -23,7 +23,7 @@ import uvicorn
 import models
 from kernels_pallas import BACKENDS, LAYOUTS
 from paged_jax.core import distributed
-from paged_jax.core.config import DTYPES, MATMUL_BACKENDS, EngineConfig
+from paged_jax.core.config import DTYPES, KV_CACHE_DTYPES, MATMUL_BACKENDS, EngineConfig
 from paged_jax.core.engine import LLMEngine
 from paged_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
 
@@ -31,7 +31,7 @@ API_KEY_ENV = "PAGED_JAX_API_KEY"
 
 # EngineConfig fields whose vLLM flag is not the field's name.
 _FLAG_NAMES = {"num_blocks": "num-gpu-blocks-override"}
-_CHOICES = {"dtype": DTYPES, "attention_backend": BACKENDS, "matmul_backend": MATMUL_BACKENDS, "kv_layout": ("auto", *LAYOUTS)}
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "attention_backend": BACKENDS, "matmul_backend": MATMUL_BACKENDS, "kv_layout": ("auto", *LAYOUTS)}
 _HELP = {
     "block_size": "tokens per KV-cache block (default: 64 for the C++ CPU kernel, else 16)",
     "num_blocks": "KV-cache blocks (overrides --kv-cache-memory-bytes)",
@@ -44,7 +44,8 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts over steps, beside decodes",
     "preemption_mode": "how a sequence gives way when the KV cache runs short",
     "scheduling_policy": "who is admitted first and preempted last (priority: lower value first)",
-    "dtype": "parameter and KV-cache dtype",
+    "dtype": "parameter (and, unless --kv-cache-dtype says otherwise, KV-cache) dtype",
+    "kv_cache_dtype": "KV-cache dtype; auto: --dtype's. bfloat16 under float32 weights halves the K/V bytes",
     "attention_backend": "paged-attention implementation",
     "matmul_backend": "the model's matmuls: cpu packs the weights for the C++ kernel, xla leaves them to XLA",
     "kv_layout": "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]; "
