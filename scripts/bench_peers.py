@@ -45,8 +45,7 @@ from paged_jax.research import machine, step_profile
 DRIVER = pathlib.Path(__file__).with_name("peer_driver.py")
 DRIVER_MARKER = "@@peer "  # peer_driver.MARKER (not imported: the driver is for the peers' environments)
 TCMALLOC = pathlib.Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-# Extra paged-jax rows at lower precisions (--precisions): the engine options each changes.
-PRECISIONS = {"kv-bf16": dict(kv_cache_dtype="bfloat16")}
+PRECISIONS = bench_throughput.PRECISIONS
 
 
 def parse_args(argv=None):

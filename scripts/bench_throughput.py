@@ -39,6 +39,9 @@ from paged_jax.core.config import DTYPES, KV_CACHE_DTYPES, MATMUL_BACKENDS
 from paged_jax.research.step_profile import matmul_peak_gflops
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
+# The lower precisions offered beside float32, never as the headline: the engine options each changes
+# (bench_peers.py --precisions runs them as extra rows, eval_precision.py measures their accuracy).
+PRECISIONS = {"kv-bf16": dict(kv_cache_dtype="bfloat16")}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
