@@ -22,8 +22,8 @@ each peer's first round against paged-jax's. Agreement is the mean fraction of t
 match before the first difference (float32 rounding may part two systems on a near-tie); under
 --min-agreement the script fails, so a fast wrong answer cannot win.
 
---precisions kv-bf16 adds a paged-jax row at a lower precision (a bfloat16 KV cache under float32
-weights), run in every round beside the float32 one, with its ratio to each peer and its greedy-token
+--precisions kv-bf16,int8 adds paged-jax rows at lower precisions (a bfloat16 KV cache under float32
+weights; int8 weights with activations quantized per token), run in every round beside the float32 one, with its ratio to each peer and its greedy-token
 agreement with paged-jax's float32 (same --min-agreement); its accuracy cost is measured by
 scripts/eval_precision.py.
 
@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--vllm-python", help="the python of a virtualenv holding vLLM's CPU build")
     p.add_argument("--precisions", default="",
                    help=f"comma-separated extra paged-jax rows, never the headline: {', '.join(PRECISIONS)} "
-                        "(a bfloat16 KV cache under float32 weights)")
+                        "(a bfloat16 KV cache under float32 weights; int8 weights)")
     p.add_argument("--hf-folder", help="the float32 Hugging Face folder the peers load (default: made from --model)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
     p.add_argument("--check-requests", type=int, default=4)

@@ -41,7 +41,7 @@ from paged_jax.research.step_profile import matmul_peak_gflops
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
 # The lower precisions offered beside float32, never as the headline: the engine options each changes
 # (bench_peers.py --precisions runs them as extra rows, eval_precision.py measures their accuracy).
-PRECISIONS = {"kv-bf16": dict(kv_cache_dtype="bfloat16")}
+PRECISIONS = {"kv-bf16": dict(kv_cache_dtype="bfloat16"), "int8": dict(quantization="int8")}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="of the KV cache alone (auto: --dtype's); bfloat16 under float32 weights: a precision row")
+    p.add_argument("--quantization", choices=("int8",), default=None,
+                   help="int8: the layers' weights in int8, activations quantized per token: a precision row")
     p.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
                    help="auto: the C++ kernel over packed weights for float32 on one CPU device, else XLA")
 
@@ -108,7 +110,7 @@ def make_engine(args) -> LLMEngine:
     """The engine add_engine_args' options describe."""
     return LLMEngine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                                      max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-                                     kv_cache_dtype=args.kv_cache_dtype,
+                                     kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                                      matmul_backend=args.matmul_backend, kv_layout=args.kv_layout,
                                      tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
@@ -219,6 +221,7 @@ def main(argv=None) -> dict:
         "prefix_hit_tokens": timed.prefix_hit_tokens,
         "dtype": dtype,
         "kv_cache_dtype": engine.resolved.kv_cache_dtype,
+        "quantization": engine.config.quantization,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": engine.resolved.block_size,

@@ -11,6 +11,7 @@ from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
 from paged_jax.core.policy import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = (None, "int8")
 # vLLM's names for the KV cache's dtype ("auto": the model's); "bf16" is "bfloat16".
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16")
 MATMUL_BACKENDS = ("auto", "cpu", "xla")
@@ -54,6 +55,10 @@ class EngineConfig:
     # The model's matmuls: "cpu" packs the weights once for the C++ kernel (kernels_pallas/cpu/linear.cc),
     # "xla" leaves them to XLA's dot; "auto" takes "cpu" for float32 weights on one CPU device.
     matmul_backend: str = "auto"
+    # vLLM's name. "int8": the layers' weights in int8 with per-column scales, activations quantized
+    # per token as the step runs, through the C++ matmul (kernels_pallas/cpu/linear_int8.cc); float32
+    # weights on one CPU device only. None: the weights as loaded.
+    quantization: str | None = None
     # How each layer's K/V pages are laid out (kernels_pallas/layout.py): token-major
     # [num_blocks, block_size, kv_heads, head_dim] or head-major [num_blocks, kv_heads, block_size, head_dim];
     # "auto": what the attention backend reads fastest (kv_block_defaults).
@@ -85,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_layout not in ("auto", *LAYOUTS):
             raise ValueError(f"kv_layout must be 'auto' or one of {LAYOUTS}, got {self.kv_layout!r}")
 
@@ -163,6 +170,9 @@ def choose_matmul_backend(config: EngineConfig, platform: str, weights_dtype) ->
     # The kernel is built only where it could run (never on a GPU machine).
     if not reasons and not cpu_kernel.available():
         reasons.append(f"the CPU kernel is unavailable: {cpu_kernel.build_error()}")
+    if config.quantization is not None and (reasons or config.matmul_backend == "xla"):
+        why = "; ".join(reasons) or "matmul_backend 'xla' was asked for"
+        raise ValueError(f"quantization {config.quantization!r} runs on the C++ matmul, which cannot run here: {why}")
     if config.matmul_backend == "xla":
         return BackendChoice("xla", "asked for", False)
     if not reasons:

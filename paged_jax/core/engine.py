@@ -103,7 +103,7 @@ class LLMEngine:
                    attention.backend, attention.reason)
         logger.info("matmul backend %s: %s", self.resolved.matmul_backend, self.resolved.matmul.reason)
         if self.resolved.matmul_backend == "cpu":
-            model = models.pack_for_cpu(model)
+            model = models.pack_for_cpu(model, self.config.quantization)
         self.runner = ModelRunner(model, model_config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)

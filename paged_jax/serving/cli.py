@@ -31,7 +31,7 @@ API_KEY_ENV = "PAGED_JAX_API_KEY"
 
 # EngineConfig fields whose vLLM flag is not the field's name.
 _FLAG_NAMES = {"num_blocks": "num-gpu-blocks-override"}
-_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "attention_backend": BACKENDS, "matmul_backend": MATMUL_BACKENDS, "kv_layout": ("auto", *LAYOUTS)}
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": ("int8",), "attention_backend": BACKENDS, "matmul_backend": MATMUL_BACKENDS, "kv_layout": ("auto", *LAYOUTS)}
 _HELP = {
     "block_size": "tokens per KV-cache block (default: 64 for the C++ CPU kernel, else 16)",
     "num_blocks": "KV-cache blocks (overrides --kv-cache-memory-bytes)",
@@ -51,6 +51,7 @@ _HELP = {
     "kv_layout": "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]; "
                  "auto: head-major for the C++ CPU kernel, else token-major",
     "tensor_parallel_size": "devices to split the model's heads and MLP over (tensor parallelism)",
+    "quantization": "int8: the layers' weights in int8, activations quantized per token (the C++ matmul, float32 on one CPU)",
     "seed": "engine seed, for requests without their own",
 }
 
@@ -80,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         else:
             literal = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
             engine.add_argument(flag, dest=field.name, default=field.default, choices=_CHOICES.get(field.name, literal),
-                                type=int if field.default is None else type(field.default),
+                                type=str if field.name == "quantization" else
+                                int if field.default is None else type(field.default),
                                 metavar=flag[2:].upper().replace("-", "_") if field.name in _FLAG_NAMES else None,
                                 help=_HELP[field.name] + ("" if field.default is None else " (default: %(default)s)"))
     distributed.add_arguments(p)
