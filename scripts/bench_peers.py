@@ -231,8 +231,7 @@ def main(argv=None) -> dict:
         print(step_profile.format_profile(profile))
         figures["profile"] = profile
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(figures, indent=2))
+        bench_throughput.write_json(args.json, figures)
     if bad:
         raise SystemExit(f"greedy tokens disagree with paged-jax's beyond --min-agreement {args.min_agreement}: {bad}")
     return figures

@@ -78,6 +78,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def write_json(path, figures: dict) -> None:
+    """The figures as JSON at path, its folder made if need be."""
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(figures, indent=2))
+
+
 def load_workload(path) -> dict:
     """The workload file; W1 made from its recipe where the default file is missing (a GPU machine
     with only the project's code)."""
@@ -241,8 +247,7 @@ def main(argv=None) -> dict:
         figures["profile"] = step_profile.profile_run(engine, requests, params, matmul_peak=peak)
         print(step_profile.format_profile(figures["profile"]))
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(figures, indent=2))
+        write_json(args.json, figures)
     return figures
 
 

@@ -16,8 +16,6 @@ For float32 and each precision (bench_throughput.PRECISIONS), on the same model:
 
 import argparse
 import hashlib
-import json
-import pathlib
 import sys
 
 import numpy as np
@@ -120,8 +118,7 @@ def main(argv=None) -> dict:
     print(machine.one_line(figures["machine"]))
     print(f"text: {figures['text']}")
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(figures, indent=2))
+        bench_throughput.write_json(args.json, figures)
     return figures
 
 
