@@ -218,8 +218,9 @@ def unpack_int8(packed: jax.Array, k: int, n: int) -> jax.Array:
 def linear_int8_cpu(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     """About x @ w for x: f32 [M, K] and packed = pack_int8(w) of a f32 w [K, n]; returns f32 [M, n].
 
-    Each row of x is quantized to int8 with a scale of its own, max|x_row| / 127, as the kernel runs;
-    products are summed exactly in int32 (linear_int8.cc), so the only errors are the two roundings.
+    Each row of x is quantized to 8 bits as the kernel runs, its range [min(x_row, 0), max(x_row, 0)]
+    in 255 steps (a scale and zero point of its own); products are summed exactly in int32
+    (linear_int8.cc), so the only errors are the two roundings.
     """
     if not available():
         raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")

@@ -34,8 +34,9 @@ def test_matches_float64_matmul_of_the_packed_weight_within_the_activation_round
         w_int8 = np.asarray(cpu_kernel.unpack_int8(packed, k, n), np.float64)
         want = x.astype(np.float64) @ w_int8
         assert got.shape == (rows, n)
-        # Each x is off by at most half its row's step, max|x_row| / 127 / 2; float32 scaling on top.
-        step = np.abs(x).max(axis=1, keepdims=True) / 127
+        # Each x is off by at most half its row's step, a 255th of [min(x_row, 0), max(x_row, 0)];
+        # float32 scaling on top.
+        step = (np.maximum(x.max(axis=1, keepdims=True), 0) - np.minimum(x.min(axis=1, keepdims=True), 0)) / 255
         bound = step / 2 * (np.abs(w_int8).sum(axis=0)) * (1 + 1e-5) + 1e-5 * np.abs(want) + 1e-30
         assert np.all(np.abs(got - want) <= bound), (rows, k, n)
 
@@ -51,6 +52,10 @@ def test_within_int8_tolerance_of_float32_at_the_models_sizes():
 def test_rows_of_zeros_give_zeros_and_other_dtypes_are_refused():
     packed = cpu_kernel.pack_int8(jnp.asarray(_random((64, 40), 0)))
     assert not np.asarray(cpu_kernel.linear_int8_cpu(jnp.zeros((3, 64), jnp.float32), packed, 40)).any()
+    # A row of one sign uses all 256 codes on its own range: constant rows come out exact.
+    ones = np.asarray(cpu_kernel.linear_int8_cpu(jnp.full((2, 64), 3.0), packed, 40))
+    np.testing.assert_allclose(ones, 3.0 * np.asarray(cpu_kernel.unpack_int8(packed, 64, 40)).sum(0)[None].repeat(2, 0),
+                               rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="int8"):
         cpu_kernel.linear_int8_cpu(jnp.ones((2, 64), jnp.float32), cpu_kernel.pack_columns(jnp.ones((64, 40))), 40)
     with pytest.raises(Exception, match="disagree"):
