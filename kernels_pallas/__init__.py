@@ -31,29 +31,36 @@ class BackendChoice(NamedTuple):
     fallback: bool  # the platform's kernel could not be used, and a slower path runs instead
 
 
-def choose_backend(requested: str = "auto", dtype=jnp.float32, platform: str | None = None) -> BackendChoice:
-    """The backend that runs when `requested` is asked for with `dtype` pages, and why.
+def choose_backend(requested: str = "auto", dtype=jnp.float32, platform: str | None = None, *,
+                   kv_dtype=None) -> BackendChoice:
+    """The backend that runs when `requested` is asked for by a model computing in `dtype` over
+    `kv_dtype` pages (by default `dtype` too), and why.
 
-    "auto" takes the Pallas kernel on a GPU; on the CPU the C++ kernel for float32 where it builds;
-    else XLA. platform: a JAX platform name ("gpu", "cpu", ...); by default the default backend's.
+    "auto" takes the Pallas kernel on a GPU; on the CPU the C++ kernel for float32 compute over
+    float32 or bfloat16 pages where it builds; else XLA. platform: a JAX platform name ("gpu",
+    "cpu", ...); by default the default backend's.
     """
     if requested != "auto":
         return BackendChoice(requested, "asked for", False)
     platform = jax.default_backend() if platform is None else platform
+    kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
     if platform == "gpu":
         return BackendChoice("pallas", "the Pallas kernel on a GPU", False)
     if platform != "cpu":
         return BackendChoice("xla", f"no kernel for the {platform} platform", False)
     if jnp.dtype(dtype) != jnp.float32:
         return BackendChoice("xla", f"the CPU kernel takes float32, not {jnp.dtype(dtype)}", False)
+    if kv_dtype not in cpu_kernel.PAGE_DTYPES:
+        return BackendChoice("xla", f"the CPU kernel reads float32 or bfloat16 pages, not {kv_dtype}", False)
     if (error := cpu_kernel.build_error()) is not None:
         return BackendChoice("xla", f"the CPU kernel is unavailable: {error}", True)
-    return BackendChoice("cpu", "the C++ kernel for float32 on the CPU", False)
+    pages = "" if kv_dtype == jnp.float32 else f" over {kv_dtype} pages"
+    return BackendChoice("cpu", f"the C++ kernel for float32{pages} on the CPU", False)
 
 
-def default_backend(dtype=jnp.float32, platform: str | None = None) -> str:
-    """What "auto" runs for `dtype` pages (choose_backend says why)."""
-    return choose_backend("auto", dtype, platform).backend
+def default_backend(dtype=jnp.float32, platform: str | None = None, *, kv_dtype=None) -> str:
+    """What "auto" runs for a model computing in `dtype` over `kv_dtype` pages (choose_backend says why)."""
+    return choose_backend("auto", dtype, platform, kv_dtype=kv_dtype).backend
 
 
 def allocate_pages(shape: tuple[int, ...], dtype) -> jax.Array:
@@ -80,16 +87,20 @@ def paged_attention(
     [num_blocks, block_size, num_kv_heads, head_dim] or head-major [num_blocks, num_kv_heads,
     block_size, head_dim]. Every backend reads either.
 
-    Attention runs in the pages' dtype: every backend takes q in it, so q is cast (a model whose
-    weights are float32 may keep a bfloat16 cache).
+    A float32 model may keep a bfloat16 cache (EngineConfig.kv_cache_dtype). The CPU backends
+    compute in float32 whatever the pages hold, so they take q as float32 (the C++ kernel always:
+    q is cast up); the Pallas kernel and the reference attend in the pages' dtype, so q is cast to it.
     returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        backend = default_backend(k_pages.dtype)
-    args = (q.astype(k_pages.dtype), k_pages, v_pages, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc)
+        backend = default_backend(q.dtype, kv_dtype=k_pages.dtype)
+    if backend == "cpu" or (backend == "xla" and q.dtype == jnp.float32):
+        q_in = q.astype(jnp.float32)
+    else:
+        q_in = q.astype(k_pages.dtype)
+    args = (q_in, k_pages, v_pages, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
     options = dict(max_query_len=metadata.max_query_len, scale=scale, layout=layout)
     if backend in ("pallas", "pallas_interpret"):
         out = _pallas_kernel.paged_attention(*args, **options, interpret=backend == "pallas_interpret")

@@ -38,16 +38,18 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], sharding: tuple, dtype)
 
 def _linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool) -> jax.Array:
     """x: [num_tokens, K] @ w -> [num_tokens, *out_shape]. w is [K, *out_shape], or where packed its
-    column panels (cpu_kernel.pack_columns of w as [K, N]), multiplied by the C++ kernel."""
+    column panels (cpu_kernel.pack_columns of w as [K, N]; int8 ones: pack_int8), multiplied by the
+    C++ kernel."""
     if not packed:
         return jnp.tensordot(x, w, axes=1)
+    linear = cpu_kernel.linear_int8_cpu if w.dtype == jnp.int8 else cpu_kernel.linear_cpu
     with jax.named_scope("matmul"):  # the profile's name for it (paged_jax/research/step_profile.py)
-        return cpu_kernel.linear_cpu(x, w, math.prod(out_shape)).reshape(x.shape[0], *out_shape)
+        return linear(x, w, math.prod(out_shape)).reshape(x.shape[0], *out_shape)
 
 
-def _pack(param: nnx.Param, weight: jax.Array) -> None:
+def _pack(param: nnx.Param, weight: jax.Array, pack=cpu_kernel.pack_columns) -> None:
     """Hold weight [K, *out] packed, for _linear; packed weights are never split over devices."""
-    param.set_value(cpu_kernel.pack_columns(weight.reshape(weight.shape[0], -1)))
+    param.set_value(pack(weight.reshape(weight.shape[0], -1)))
     param.set_metadata(out_sharding=(None,) * 3)
 
 
@@ -217,15 +219,20 @@ class LlamaForCausalLM(nnx.Module):
             return jnp.einsum("th,vh->tv", x, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("th,hv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
-    def pack_for_cpu(self) -> "LlamaForCausalLM":
+    def pack_for_cpu(self, quantization: str | None = None) -> "LlamaForCausalLM":
         """A copy of the model whose matmul weights are packed in column panels for the C++ CPU matmul
         (kernels_pallas/cpu/linear.cc): XLA's dot repacks its weight on every call, which took most of a
         decode step's matmul time. Float32, one device (the weights are not split); this model is
-        unchanged. A tied embedding is packed as the lm_head's weight, and looked up in that form."""
+        unchanged. A tied embedding is packed as the lm_head's weight, and looked up in that form.
+
+        quantization "int8": the layers' weights are quantized per column (cpu_kernel.pack_int8) for the
+        int8 matmul (linear_int8.cc); the embedding and lm_head stay float32, as is usual: they are where
+        int8 costs the most accuracy, and the embedding is a lookup."""
         model = nnx.clone(self)  # new modules and variables, over the same arrays until packed
+        pack = cpu_kernel.pack_int8 if quantization == "int8" else cpu_kernel.pack_columns
         for layer in model.layers:
             for param in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
-                _pack(param, param[...])
+                _pack(param, param[...], pack)
             layer.attn.packed = layer.mlp.packed = True
         if model.config.tie_word_embeddings:
             _pack(model.embed, model.embed[...].T)

@@ -26,6 +26,7 @@ from kernels_pallas.cpu import kernel as cpu_kernel
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.cpu.xla import paged_attention_xla
 from paged_jax.core.buckets import StepBuckets
+from paged_jax.research import machine
 
 BANDWIDTH = 20e9  # bytes/s, read + write, measured on this machine kind (see /work/shared/CPU.md)
 
@@ -134,6 +135,7 @@ def main():
 
     rng = np.random.default_rng(0)
     itemsize = jnp.dtype(args.dtype).itemsize
+    print(machine.one_line(machine.describe()))
     print(f"one layer: {args.num_heads} heads / {args.num_kv_heads} KV heads, head_dim {args.head_dim},"
           f" block {args.block_size}, {args.dtype}; medians of {5 * args.rounds} calls (ms)")
     print(f"{'scenario':>34} {'floor':>6} {'reference':>10} {'xla':>8} {'speedup':>8} {'chunked-2':>10} {'cpu':>8}"

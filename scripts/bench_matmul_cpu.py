@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.cpu import kernel as cpu_kernel
+from paged_jax.research import machine
 
 
 def _norm(x):
@@ -60,6 +61,7 @@ def main():
     run = lambda layer: jax.jit(lambda x, ws: [x := layer(x, w) for w in ws][-1])
     fns = {"xla": (run(xla_layer), weights), "packed": (run(packed_layer), packed)}
     flop_per_row = 2 * args.layers * sum(a * b for a, b in shapes.values())
+    print(machine.one_line(machine.describe()))
     print(f"{args.layers} layers of matmuls, float32; medians of {args.rounds} alternating calls (ms)")
     print(f"{'rows':>6} {'xla':>9} {'GFLOP/s':>8} {'packed':>9} {'GFLOP/s':>8} {'speedup':>8}  rel err")
     for rows in args.rows:

@@ -11,7 +11,9 @@ paged-jax's ratio to each peer per round and the median ratio. Peers:
   offline `LLM.generate` with its defaults, float32.
 Every peer is a long-lived process (scripts/peer_driver.py) that loads its model once and runs a round
 on request; it is warmed up on a few short requests first, so rounds measure throughput, not start-up.
-paged-jax warms up on the whole workload (it compiles each batch shape once). Both peers read a
+paged-jax warms up on the whole workload (it compiles each batch shape once); each round is one
+`LLM.generate` call, as the vLLM peer's is, after its prefix cache is emptied (vLLM runs without
+one), so that every system computes every prompt. Both peers read a
 float32 Hugging Face folder: the model's own where --model is one, else its GGUF dequantized once
 into the cache directory.
 
@@ -19,6 +21,11 @@ Greedy tokens are checked: the first --check-tokens tokens of the first --check-
 each peer's first round against paged-jax's. Agreement is the mean fraction of those tokens that
 match before the first difference (float32 rounding may part two systems on a near-tie); under
 --min-agreement the script fails, so a fast wrong answer cannot win.
+
+--precisions kv-bf16,int8 adds paged-jax rows at lower precisions (a bfloat16 KV cache under float32
+weights; int8 weights with activations quantized per token), run in every round beside the float32 one, with its ratio to each peer and its greedy-token
+agreement with paged-jax's float32 (same --min-agreement); its accuracy cost is measured by
+scripts/eval_precision.py.
 
 --profile then runs the workload once more under the JAX profiler and prints the step profile
 (paged_jax/research/step_profile.py).
@@ -33,11 +40,12 @@ import subprocess
 import sys
 
 import bench_throughput
-from paged_jax.research import step_profile
+from paged_jax.research import machine, step_profile
 
 DRIVER = pathlib.Path(__file__).with_name("peer_driver.py")
 DRIVER_MARKER = "@@peer "  # peer_driver.MARKER (not imported: the driver is for the peers' environments)
 TCMALLOC = pathlib.Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+PRECISIONS = bench_throughput.PRECISIONS
 
 
 def parse_args(argv=None):
@@ -47,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--peers", default=None,
                    help="comma-separated, of transformers and vllm; default transformers, and vllm with --vllm-python")
     p.add_argument("--vllm-python", help="the python of a virtualenv holding vLLM's CPU build")
+    p.add_argument("--precisions", default="",
+                   help=f"comma-separated extra paged-jax rows, never the headline: {', '.join(PRECISIONS)} "
+                        "(a bfloat16 KV cache under float32 weights; int8 weights)")
     p.add_argument("--hf-folder", help="the float32 Hugging Face folder the peers load (default: made from --model)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
     p.add_argument("--check-requests", type=int, default=4)
@@ -60,6 +71,9 @@ def parse_args(argv=None):
     args.peers = [name for name in args.peers.split(",") if name]
     if "vllm" in args.peers and not args.vllm_python:
         p.error("the vllm peer needs --vllm-python")
+    args.precisions = [name for name in args.precisions.split(",") if name]
+    if unknown := set(args.precisions) - set(PRECISIONS):
+        p.error(f"unknown --precisions {sorted(unknown)}; known: {', '.join(PRECISIONS)}")
     return args
 
 
@@ -149,25 +163,38 @@ def warmup_requests(requests: list[dict]) -> list[dict]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     workload, requests, params = bench_throughput.workload_requests(args)
-    engine = bench_throughput.make_engine(args)
+    engines = {"paged-jax": bench_throughput.make_engine(args)}
+    for name in args.precisions:
+        engines[f"paged-jax {name}"] = bench_throughput.make_engine(
+            argparse.Namespace(**vars(args) | PRECISIONS[name]))
+    engine = engines["paged-jax"]
     folder = pathlib.Path(args.hf_folder) if args.hf_folder else hf_folder(args.model)
     longest = max(len(r["prompt_token_ids"]) + r["max_new_tokens"] for r in requests)
     pythons = {"transformers": sys.executable, "vllm": args.vllm_python}
     plain = [dict(prompt_token_ids=r["prompt_token_ids"], max_new_tokens=r["max_new_tokens"]) for r in requests]
 
-    bench_throughput.run_workload(engine, requests, params)  # compiles every shape of the run
+    for ours in engines.values():
+        bench_throughput.run_workload(ours, requests, params)  # compiles every shape of the run
     peers = [Peer(name, pythons[name], folder, args, max(1024, longest)) for name in args.peers]
     for peer in peers:
         peer.run(warmup_requests(plain))
 
-    systems = ["paged-jax", *args.peers]
+    systems = [*engines, *args.peers]
     rounds: list[dict[str, float]] = []
+    hits: list[int] = []  # prompt tokens paged-jax's prefix caches served per round: 0, as the peers have none
     checks = {}
     try:
         for r in range(args.rounds):
-            engine.blocks.reset_prefix_cache()  # every round computes every prompt
-            ours = bench_throughput.run_workload(engine, requests, params)
-            row = {"paged-jax": ours.produced / ours.elapsed}
+            row, runs = {}, {}
+            for name, each in engines.items():
+                each.blocks.reset_prefix_cache()  # every round computes every prompt
+                runs[name] = bench_throughput.run_workload(each, requests, params)
+                row[name] = runs[name].produced / runs[name].elapsed
+            hits.append(sum(run.prefix_hit_tokens for run in runs.values()))
+            ours = runs["paged-jax"]
+            if r == 0:  # a lower precision answers as float32 does, but at near-ties
+                checks |= {name: agreement(ours.token_ids, run.token_ids, args.check_requests, args.check_tokens)
+                           for name, run in runs.items() if name != "paged-jax"}
             for peer in peers:
                 result = peer.run(plain)
                 row[peer.name] = result["output_tokens"] / result["wall_s"]
@@ -181,20 +208,27 @@ def main(argv=None) -> dict:
             peer.close()
 
     ratios = {p: [row["paged-jax"] / row[p] for row in rounds] for p in args.peers}
+    precision_ratios = {f"{name} / {p}": [row[name] / row[p] for row in rounds]
+                        for name in list(engines)[1:] for p in args.peers}
     figures = {
+        "machine": machine.describe(),
         "workload": workload.get("name", args.workload),
         "requests": len(requests),
         "output_tokens": sum(r["max_new_tokens"] for r in requests),
         "rounds": [{name: round(v, 1) for name, v in row.items()} for row in rounds],
         "ratios": {p: [round(x, 3) for x in v] for p, v in ratios.items()},
         "median_ratio": {p: round(statistics.median(v), 3) for p, v in ratios.items()},
+        "precision_ratios": {k: [round(x, 3) for x in v] for k, v in precision_ratios.items()},
+        "precision_median_ratio": {k: round(statistics.median(v), 3) for k, v in precision_ratios.items()},
         "token_agreement": checks,
+        "prefix_hit_tokens": hits,
         "hf_folder": str(folder),
         "load_average": os.getloadavg(),
     }
-    print(format_table(systems, rounds, ratios))
+    print(machine.one_line(figures["machine"]))
+    print(format_table(systems, rounds, {f"paged-jax / {p}": v for p, v in ratios.items()} | precision_ratios))
     for name, check in checks.items():
-        print(f"greedy tokens, {name} against paged-jax: agreement {check['agreement']:.2f} "
+        print(f"greedy tokens, {name} against paged-jax (float32): agreement {check['agreement']:.2f} "
               f"(matching prefix of {check['of']} tokens per request: {check['matching_prefix']})")
     bad = {name: c["agreement"] for name, c in checks.items() if c["agreement"] < args.min_agreement}
 
@@ -203,15 +237,14 @@ def main(argv=None) -> dict:
         print(step_profile.format_profile(profile))
         figures["profile"] = profile
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(figures, indent=2))
+        bench_throughput.write_json(args.json, figures)
     if bad:
         raise SystemExit(f"greedy tokens disagree with paged-jax's beyond --min-agreement {args.min_agreement}: {bad}")
     return figures
 
 
 def format_table(systems: list[str], rounds: list[dict], ratios: dict[str, list[float]]) -> str:
-    """A markdown table: a row per system, a column per round; then paged-jax's ratio to each peer."""
+    """A markdown table: a row per system, a column per round; then a row per ratio ("paged-jax / vllm": per round)."""
     head = "| system | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " | median |"
     lines = [head, "|" + "---|" * (len(rounds) + 2)]
     for name in systems:
@@ -219,7 +252,7 @@ def format_table(systems: list[str], rounds: list[dict], ratios: dict[str, list[
         lines.append(f"| {name} (output tok/s) | " + " | ".join(f"{v:.1f}" for v in values)
                      + f" | {statistics.median(values):.1f} |")
     for name, values in ratios.items():
-        lines.append(f"| paged-jax / {name} | " + " | ".join(f"{v:.3f}" for v in values)
+        lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in values)
                      + f" | {statistics.median(values):.3f} |")
     return "\n".join(lines)
 

@@ -45,6 +45,7 @@ import httpx
 import numpy as np
 
 import bench_peers
+from paged_jax.research import machine
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -275,6 +276,8 @@ def format_ratios(rows: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    where = machine.describe()
+    print(machine.one_line(where))
     requests = json.loads(pathlib.Path(args.workload).read_text())["requests"][: args.num_requests]
     if args.base_url:
         runs = {"server": [sweep("server", args.base_url, requests, args)]}
@@ -289,7 +292,7 @@ def main(argv=None) -> dict:
             if args.peer:
                 with vllm_server(args, folder, max(1024, longest)) as base_url:
                     runs[args.peer].append(sweep(args.peer, base_url, requests, args))
-    results = {"workload": args.workload, "runs": runs, "load_average": os.getloadavg()}
+    results = {"machine": where, "workload": args.workload, "runs": runs, "load_average": os.getloadavg()}
     if args.peer:
         results["ratios"] = ratios(runs["paged-jax"], runs[args.peer])
         print(f"\npaged-jax / {args.peer}, medians over {args.rounds} rounds (throughput: above 1 is better; "

@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
 
     def step():
         start = time.perf_counter()
-        outputs = engine.step()
+        engine.step()
         stepped = time.perf_counter()
         snap = pool_snapshot(engine)
         snapped = time.perf_counter()
@@ -51,9 +51,11 @@ def main(argv=None) -> dict:
         snapshot_s.append(snapped - stepped)
         states_s.append(time.perf_counter() - snapped)
         sizes.append(len(snap["seqs"]))
-        return outputs
 
-    bench_throughput.run_workload(engine, requests, params, step=step)
+    for request, p in zip(requests, params):
+        engine.add_request(request["prompt_token_ids"], p)
+    while engine.has_unfinished_requests():
+        step()
     step_ms, snapshot_ms = 1000 * float(np.median(step_s)), 1000 * float(np.median(snapshot_s))
     figures = {
         "model": args.model, "num_blocks": engine.blocks.num_blocks, "steps": len(step_s),

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from paged_jax.research import machine
+
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "Explain PagedAttention in one paragraph"
 
@@ -59,6 +61,7 @@ def main(argv=None) -> dict:
     if any(run["text"] != cold["text"] for run in warm):
         raise SystemExit("a warm run answered differently from the cold one")
     figures = {
+        "machine": machine.describe(),
         "cold_first_token_s": cold["first_token_s"],
         "cold_cpu_s": cold["cpu_s"],
         "warm_first_token_s": [run["first_token_s"] for run in warm],
@@ -68,8 +71,10 @@ def main(argv=None) -> dict:
         "load_average_1min": os.getloadavg()[0],
         "answer": cold["text"],
     }
+    print(machine.one_line(figures["machine"]))
     for name, value in figures.items():
-        print(f"{name:>26}: {value}")
+        if name != "machine":
+            print(f"{name:>26}: {value}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(figures, indent=2))

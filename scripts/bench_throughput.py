@@ -2,10 +2,17 @@
 
     python scripts/bench_throughput.py [--json out/w1.json] [--tensor-parallel-size N]
 
-Prints output and total tokens/s over the wall time of a run after a warm-up run, model FLOP
+Prints output and total tokens/s over the wall time of one `LLM.generate` call (what a user of the
+offline API waits for) after a warm-up run, the prefix cache emptied between them, model FLOP
 utilisation against a matmul peak measured in the same process in the engine's dtype, peak KV blocks
 in use and how full their slots were, preemptions, and compiles after warm-up. Where the workload file
 is missing, W1 is made again from its recipe (../shared/workloads/README.md).
+
+A served run of the same workload compares with this one only if the server computes every prompt
+too: a server warmed up on the workload's own prompts keeps them in its prefix cache and skips most
+of the prefill (W1: 15,424 of its 17,709 prompt tokens), which once made W1 look 40% faster served
+than offline. Its /metrics counter paged_jax:prefix_cache_hits_total says whether that happened;
+prefix_hit_tokens here says the same of this run (0).
 
 With --tensor-parallel-size N > 1 it also runs the workload's first requests again under the JAX
 profiler and reports the time per step spent in collectives (all-reduce, all-gather, ...), averaged
@@ -26,13 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import DEFAULT_MODEL
-from paged_jax import LLMEngine, SamplingParams
+from paged_jax import LLM, LLMEngine, SamplingParams
 from kernels_pallas.layout import LAYOUTS
-from paged_jax.research import step_profile
-from paged_jax.core.config import DTYPES, MATMUL_BACKENDS
+from paged_jax.research import machine, step_profile
+from paged_jax.core.config import DTYPES, KV_CACHE_DTYPES, MATMUL_BACKENDS
 from paged_jax.research.machine_peaks import matmul_peak_gflops
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
+# The lower precisions offered beside float32, never as the headline: the engine options each changes
+# (bench_peers.py --precisions runs them as extra rows, eval_precision.py measures their accuracy).
+PRECISIONS = {"kv-bf16": dict(kv_cache_dtype="bfloat16"), "int8": dict(quantization="int8")}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +57,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", choices=("auto", *LAYOUTS), default="auto",
                    help="of the KV pages (kernels_pallas/layout.py)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="of the KV cache alone (auto: --dtype's); bfloat16 under float32 weights: a precision row")
+    p.add_argument("--quantization", choices=("int8",), default=None,
+                   help="int8: the layers' weights in int8, activations quantized per token: a precision row")
     p.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
                    help="auto: the C++ kernel over packed weights for float32 on one CPU device, else XLA")
 
@@ -63,6 +77,12 @@ def parse_args(argv=None):
                         "(paged_jax/research/step_profile.py)")
     p.add_argument("--json", help="write the figures to this path")
     return p.parse_args(argv)
+
+
+def write_json(path, figures: dict) -> None:
+    """The figures as JSON at path, its folder made if need be."""
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(figures, indent=2))
 
 
 def load_workload(path) -> dict:
@@ -97,6 +117,7 @@ def make_engine(args) -> LLMEngine:
     """The engine add_engine_args' options describe."""
     return LLMEngine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                                      max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                                     kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                                      matmul_backend=args.matmul_backend, kv_layout=args.kv_layout,
                                      tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
@@ -110,28 +131,32 @@ def workload_requests(args) -> tuple[dict, list[dict], list[SamplingParams]]:
 
 
 class Run(NamedTuple):
-    elapsed: float  # seconds from the first step to the last
+    elapsed: float  # seconds of the whole LLM.generate call
     produced: int  # output tokens
     token_ids: list[list[int]]  # each request's output tokens, in the order of `requests`
+    prefix_hit_tokens: int  # prompt tokens the prefix cache served instead of computing them
 
 
-def run_workload(engine: LLMEngine, requests, params, step=None) -> Run:
-    """Add every request, then step until all have finished. step: called in place of engine.step
-    (a profiler wraps it)."""
-    ids = [engine.add_request(r["prompt_token_ids"], params[i]) for i, r in enumerate(requests)]
-    step = step or engine.step
+def run_workload(engine: LLMEngine, requests, params) -> Run:
+    """One run of the requests as a user of the offline API meets it: a single `LLM.generate` call
+    (admission, every step, the outputs), timed whole.
+
+    Prompts the prefix cache still holds from an earlier run are not computed again, which makes a
+    run look far faster than a first one (W1 a second time skips 15,424 of its 17,709 prompt
+    tokens): callers reset the cache first, and prefix_hit_tokens says whether it served any."""
+    llm = LLM.from_engine(engine)
+    prompts = [r["prompt_token_ids"] for r in requests]
     start = time.perf_counter()
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in step():
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return Run(elapsed, sum(map(len, tokens.values())), [tokens[i] for i in ids])
+    token_ids = [list(out.outputs[0].token_ids) for out in outputs]
+    return Run(elapsed, sum(map(len, token_ids)), token_ids, sum(out.metrics.num_prefix_hit_tokens for out in outputs))
 
 
 def run_once(engine: LLMEngine, requests, params) -> tuple[float, int]:
-    """(seconds, output tokens) of one run of the requests."""
+    """(seconds, output tokens) of one run of the requests, every prompt computed (the prefix cache
+    emptied first)."""
+    engine.blocks.reset_prefix_cache()
     run = run_workload(engine, requests, params)
     return run.elapsed, run.produced
 
@@ -173,18 +198,20 @@ def main(argv=None) -> dict:
     workload, requests, params = workload_requests(args)
     engine = make_engine(args)
     if not args.no_warmup:
-        run_once(engine, requests, params)
-        engine.blocks.reset_prefix_cache()  # the timed run must compute every prompt again
+        run_workload(engine, requests, params)
     compiles_before = engine.runner.num_compiles
     preempt_before = engine.scheduler.num_preemptions
     engine.peak_blocks_in_use = engine.peak_slot_fill = 0
-    elapsed, produced = run_once(engine, requests, params)
+    engine.blocks.reset_prefix_cache()  # the timed run computes every prompt, as a first run would
+    timed = run_workload(engine, requests, params)
+    elapsed, produced = timed.elapsed, timed.produced
     dtype = engine.resolved.dtype
     peak = matmul_peak_gflops(jnp.dtype(dtype))
 
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
     flops = model_flops(engine.model_config, requests)
     figures = {
+        "machine": machine.describe(),
         "workload": workload.get("name", args.workload),
         "requests": len(requests),
         "wall_s": round(elapsed, 2),
@@ -198,7 +225,10 @@ def main(argv=None) -> dict:
         "kv_slot_fill_at_peak": round(engine.peak_slot_fill, 3),
         "preemptions": engine.scheduler.num_preemptions - preempt_before,
         "compiles_after_warmup": engine.runner.num_compiles - compiles_before,
+        "prefix_hit_tokens": timed.prefix_hit_tokens,
         "dtype": dtype,
+        "kv_cache_dtype": engine.resolved.kv_cache_dtype,
+        "quantization": engine.config.quantization,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": engine.resolved.block_size,
@@ -210,12 +240,15 @@ def main(argv=None) -> dict:
         n = args.profile_requests
         ms, steps = collective_ms_per_step(engine, requests[:n], params[:n])
         figures |= {"collective_ms_per_step": round(ms, 2), "profiled_steps": steps}
+    print(machine.one_line(figures["machine"]))
     for name, value in figures.items():
-        print(f"{name:>24}: {value}")
+        if name != "machine":
+            print(f"{name:>24}: {value}")
     if args.profile:
         figures["profile"] = step_profile.profile_run(engine, requests, params, matmul_peak=peak)
         print(step_profile.format_profile(figures["profile"]))
-    write_json(args.json, figures)
+    if args.json:
+        write_json(args.json, figures)
     return figures
 
 

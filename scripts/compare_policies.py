@@ -28,9 +28,7 @@ import functools
 import itertools
 import json
 import multiprocessing
-import os
 import pathlib
-import platform
 import sys
 import time
 
@@ -41,6 +39,7 @@ from make_workload import make_workload
 from models import DEFAULT_MODEL
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.policy import POLICIES
+from paged_jax.research import machine
 from paged_jax.research.replay import Replay, Request, StepCost, replay
 
 STEP_COST = pathlib.Path(__file__).with_name("step_cost.json")
@@ -164,7 +163,7 @@ def fit_step_cost(args) -> dict:
     r2 = 1 - np.sum((data[:, 2] - predicted) ** 2) / np.sum((data[:, 2] - data[:, 2].mean()) ** 2)
     return dict(a=float(coef[0]), b=float(coef[1]), c=float(coef[2]), r2=float(r2), num_steps=len(data),
                 command="python scripts/" + " ".join([pathlib.Path(sys.argv[0]).name, *sys.argv[1:]]),
-                model=args.model, block_size=args.block_size, machine=f"{platform.platform()}, {os.cpu_count()} CPUs",
+                model=args.model, block_size=args.block_size, machine=machine.one_line(machine.describe()),
                 date=datetime.date.today().isoformat(),
                 median_step_s=float(np.median(data[:, 2])), max_tokens_in_a_step=int(data[:, 0].max()))
 

@@ -1,4 +1,6 @@
-// Paged attention for the CPU as an XLA FFI custom call: the same maths as reference.py, float32.
+// Paged attention for the CPU as an XLA FFI custom call: the same maths as reference.py, in float32,
+// over float32 or bfloat16 pages (a bfloat16 row is widened to float32 in registers as it is read:
+// common.h's Load and ToFloat; every function below takes the page element type KV).
 //
 // XLA's CPU backend gathers pages into contiguous copies and runs many tiny batched matmuls; this
 // kernel instead streams each sequence's pages once through the cache, flash-attention style: the
@@ -94,8 +96,8 @@ void ScoreTile(const float* q, const float* kt, int64_t D, float* s) {
 
 // acc[m][0:NV*L] += sum_t p[m][t] * v[t][0:NV*L] for the kTileRows rows at p (kChunk apart) and acc
 // (D apart), over n positions whose V rows (offset to this tile's dims) are at v[t].
-template <int NV>
-void ValueTile(const float* p, const float* const* v, int64_t offset, int n, float* acc, int64_t D) {
+template <int NV, typename KV>
+void ValueTile(const float* p, const KV* const* v, int64_t offset, int n, float* acc, int64_t D) {
   using paged_jax::Load;
   using paged_jax::Vec;
   constexpr int L = paged_jax::kLanes;
@@ -115,7 +117,8 @@ void ValueTile(const float* p, const float* const* v, int64_t offset, int n, flo
     for (int j = 0; j < NV; ++j) paged_jax::Store(acc + m * D + j * L, c[m][j]);
 }
 
-void AttendRows(const Shapes& sh, const float* q, const float* k_pages, const float* v_pages, const int32_t* table,
+template <typename KV>
+void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v_pages, const int32_t* table,
                 int seq_len, int q_start, int q_len, const WorkItem& w, float scale, float* out) {
   constexpr int L = paged_jax::kLanes;
   const int64_t D = sh.head_dim, G = sh.num_heads / sh.num_kv_heads, BS = sh.block_size, ss = sh.slot_stride;
@@ -132,8 +135,8 @@ void AttendRows(const Shapes& sh, const float* q, const float* k_pages, const fl
     const float* src = q + ((q_start + i) * sh.num_heads + w.kv_head * G + r % G) * D;
     for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d] * scale;
   }
-  const float* k_rows[kChunk];
-  const float* v_rows[kChunk];
+  const KV* k_rows[kChunk];
+  const KV* v_rows[kChunk];
   for (int c0 = 0; c0 <= limit[padded - 1]; c0 += kChunk) {
     // Only written slots are read (the rest may hold NaN); kt's columns past n are zero.
     const int n = std::min(kChunk, limit[padded - 1] + 1 - c0);
@@ -141,7 +144,7 @@ void AttendRows(const Shapes& sh, const float* q, const float* k_pages, const fl
       const int pos = c0 + t;
       const int64_t base = (int64_t)table[pos / BS] * block_stride + w.kv_head * sh.head_stride + pos % BS * ss;
       k_rows[t] = k_pages + base, v_rows[t] = v_pages + base;
-      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = k_rows[t][d];
+      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = paged_jax::ToFloat(k_rows[t][d]);
     }
     for (int64_t d = 0; d < D; ++d) std::fill(&kt[d * kChunk + n], &kt[d * kChunk + kChunk], 0.0f);
     for (int r0 = 0; r0 < padded; r0 += kTileRows) {
@@ -167,7 +170,7 @@ void AttendRows(const Shapes& sh, const float* q, const float* k_pages, const fl
       if (d0 + L <= D) ValueTile<1>(st, v_rows, d0, n, at + d0, D), d0 += L;
       for (int r = 0; r < kTileRows; ++r)  // head_dim past the last vector
         for (int t = 0; t < n; ++t)
-          for (int64_t d = d0; d < D; ++d) at[r * D + d] += st[r * kChunk + t] * v_rows[t][d];
+          for (int64_t d = d0; d < D; ++d) at[r * D + d] += st[r * kChunk + t] * paged_jax::ToFloat(v_rows[t][d]);
     }
   }
   for (int r = 0; r < rows; ++r) {
@@ -186,8 +189,8 @@ void AttendRows(const Shapes& sh, const float* q, const float* k_pages, const fl
 // in L1. Bounds: head_dim a multiple of kLanes and at most kMaxHeadDim, blocks of at most kMaxBlockSize.
 constexpr int kMaxHeadDim = 256, kMaxBlockSize = 128;
 
-template <int G>
-void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const float* v_pages, const int32_t* table,
+template <int G, typename KV>
+void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV* v_pages, const int32_t* table,
                   int seq_len, int64_t token, float scale, float* out) {
   using paged_jax::Load;
   using paged_jax::Vec;
@@ -201,9 +204,9 @@ void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const 
   const float* q_token = q + token * sh.num_heads * D;
   for (int64_t i = 0; i < H * G * D; ++i) qs[i] = q_token[i] * scale;
 
-  auto score_two = [&](const float* kb, int64_t h, int t) {  // positions t, t + 1 of KV head h
+  auto score_two = [&](const KV* kb, int64_t h, int t) {  // positions t, t + 1 of KV head h
     Vec a0[G] = {}, a1[G] = {};
-    const float* k0 = kb + t * ss + h * hs;
+    const KV* k0 = kb + t * ss + h * hs;
     for (int64_t v = 0; v < V; ++v) {
       const Vec x0 = Load(k0 + v * L), x1 = Load(k0 + ss + v * L);
 #pragma GCC unroll 8
@@ -216,7 +219,7 @@ void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const 
     for (int g = 0; g < G; ++g)
       s[(h * G + g) * BS + t] = paged_jax::Sum(a0[g]), s[(h * G + g) * BS + t + 1] = paged_jax::Sum(a1[g]);
   };
-  auto score_one = [&](const float* kb, int64_t h, int t) {
+  auto score_one = [&](const KV* kb, int64_t h, int t) {
     Vec a0[G] = {};
     for (int64_t v = 0; v < V; ++v) {
       const Vec x0 = Load(kb + t * ss + h * hs + v * L);
@@ -224,8 +227,8 @@ void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const 
     }
     for (int g = 0; g < G; ++g) s[(h * G + g) * BS + t] = paged_jax::Sum(a0[g]);
   };
-  auto add_value = [&](const float* vb, int64_t h, int t) {  // acc += p * V for position t of KV head h
-    const float* row = vb + t * ss + h * hs;
+  auto add_value = [&](const KV* vb, int64_t h, int t) {  // acc += p * V for position t of KV head h
+    const KV* row = vb + t * ss + h * hs;
     float* a = &acc[h * G * D];
     const float* p = &s[h * G * BS + t];
     for (int64_t v = 0; v < V; ++v) {
@@ -237,8 +240,8 @@ void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const 
 
   for (int64_t b = 0; b * BS < seq_len; ++b) {
     const int64_t base = (int64_t)table[b] * block_stride;
-    const float* kb = k_pages + base;
-    const float* vb = v_pages + base;
+    const KV* kb = k_pages + base;
+    const KV* vb = v_pages + base;
     const int n = (int)std::min<int64_t>(BS, seq_len - b * BS);  // written slots only: the rest may hold NaN
     if (slots_outer) {
       int t = 0;
@@ -279,29 +282,56 @@ void AttendDecode(const Shapes& sh, const float* q, const float* k_pages, const 
   }
 }
 
-using DecodeFn = void (*)(const Shapes&, const float*, const float*, const float*, const int32_t*, int, int64_t, float,
-                          float*);
+template <typename KV>
+using DecodeFn = void (*)(const Shapes&, const float*, const KV*, const KV*, const int32_t*, int, int64_t, float, float*);
 
 // AttendDecode for this shape, or nullptr where it does not apply (AttendRows serves every shape).
-DecodeFn DecodeFor(const Shapes& sh) {
+template <typename KV>
+DecodeFn<KV> DecodeFor(const Shapes& sh) {
   if (sh.head_dim % paged_jax::kLanes || sh.head_dim > kMaxHeadDim || sh.block_size > kMaxBlockSize) return nullptr;
   switch (sh.num_heads / sh.num_kv_heads) {
-    case 1: return AttendDecode<1>;
-    case 2: return AttendDecode<2>;
-    case 3: return AttendDecode<3>;
-    case 4: return AttendDecode<4>;
-    case 6: return AttendDecode<6>;
-    case 8: return AttendDecode<8>;
+    case 1: return AttendDecode<1, KV>;
+    case 2: return AttendDecode<2, KV>;
+    case 3: return AttendDecode<3, KV>;
+    case 4: return AttendDecode<4, KV>;
+    case 6: return AttendDecode<6, KV>;
+    case 8: return AttendDecode<8, KV>;
     default: return nullptr;
   }
 }
 
-ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                             ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
-                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                             float scale, int64_t block_size, int64_t num_kv_heads,
-                             int64_t slot_stride, int64_t head_stride, ffi::ResultBuffer<ffi::F32> out) {
+// Every work item of one call, over pages of element type KV, shared out over XLA's thread pool.
+template <typename KV>
+void AttendItems(ffi::ThreadPool& pool, const Shapes& sh, const std::vector<WorkItem>& items, const float* q,
+                 const KV* k_pages, const KV* v_pages, const int32_t* tables, const int32_t* lens,
+                 const int32_t* starts, float scale, float* out) {
+  const DecodeFn<KV> decode = DecodeFor<KV>(sh);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    FlushDenormals flush;
+    for (size_t i; (i = next.fetch_add(1)) < items.size();) {
+      const WorkItem& w = items[i];
+      if (decode != nullptr && starts[w.seq + 1] - starts[w.seq] == 1) {
+        decode(sh, q, k_pages, v_pages, tables + w.seq * sh.max_blocks, lens[w.seq], starts[w.seq], scale, out);
+        continue;
+      }
+      AttendRows(sh, q, k_pages, v_pages, tables + w.seq * sh.max_blocks, lens[w.seq], starts[w.seq],
+                 starts[w.seq + 1] - starts[w.seq], w, scale, out);
+    }
+  };
+  paged_jax::RunShared(pool, (int64_t)items.size(), work);
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                          float scale, int64_t block_size, int64_t num_kv_heads,
+                          int64_t slot_stride, int64_t head_stride, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), pd = k_pages.dimensions(), bd = block_tables.dimensions();
+  const ffi::DataType page_type = k_pages.element_type();
+  if (v_pages.element_type() != page_type || (page_type != ffi::DataType::F32 && page_type != ffi::DataType::BF16) ||
+      pd.size() != 4 || v_pages.dimensions().size() != 4 || v_pages.element_count() != k_pages.element_count())
+    return ffi::Error::InvalidArgument("paged attention: K and V pages must be 4-d, of one shape, float32 or bfloat16");
   const Shapes sh{qd[0], qd[1], qd[2], pd[0], block_size, num_kv_heads, bd[0], bd[1], slot_stride, head_stride};
   // Strides that could step outside a block must fail here rather than read outside the buffers.
   if (pd[1] * pd[2] != block_size * num_kv_heads || pd[3] != sh.head_dim || sh.num_heads % num_kv_heads ||
@@ -311,7 +341,7 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
   const int32_t* lens = seq_lens.typed_data();
   const int32_t* starts = query_start_loc.typed_data();
 
-  const DecodeFn decode = DecodeFor(sh);
+  const bool decode_rows = DecodeFor<float>(sh) != nullptr;  // the shapes decide, not the page type
   std::vector<WorkItem> items;
   const int32_t* tables = block_tables.typed_data();
   for (int s = 0; s < sh.num_seqs; ++s) {
@@ -323,7 +353,7 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
     for (int64_t b = 0; b * sh.block_size < lens[s]; ++b)
       if (tables[s * sh.max_blocks + b] < 0 || tables[s * sh.max_blocks + b] >= sh.num_blocks)
         return ffi::Error::InvalidArgument("paged attention: block table entry outside the page pool");
-    if (q_len == 1 && decode != nullptr) {
+    if (q_len == 1 && decode_rows) {
       items.push_back({s, 0, 0, 1});  // every KV head
       continue;
     }
@@ -337,32 +367,23 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
     return lens[a.seq] - (starts[a.seq + 1] - starts[a.seq]) + a.last >
            lens[b.seq] - (starts[b.seq + 1] - starts[b.seq]) + b.last;
   });
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    FlushDenormals flush;
-    for (size_t i; (i = next.fetch_add(1)) < items.size();) {
-      const WorkItem& w = items[i];
-      if (decode != nullptr && starts[w.seq + 1] - starts[w.seq] == 1) {
-        decode(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), tables + w.seq * sh.max_blocks,
-               lens[w.seq], starts[w.seq], scale, out->typed_data());
-        continue;
-      }
-      AttendRows(sh, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), tables + w.seq * sh.max_blocks,
-                 lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq], w, scale, out->typed_data());
-    }
-  };
-  paged_jax::RunShared(pool, (int64_t)items.size(), work);
+  if (page_type == ffi::DataType::F32)
+    AttendItems(pool, sh, items, q.typed_data(), k_pages.typed_data<float>(), v_pages.typed_data<float>(), tables,
+                lens, starts, scale, out->typed_data());
+  else  // reinterpret: typed_data<uint16_t> would assert that the buffer holds U16
+    AttendItems(pool, sh, items, q.typed_data(), k_pages.reinterpret_data<paged_jax::BF16>(),
+                v_pages.reinterpret_data<paged_jax::BF16>(), tables, lens, starts, scale, out->typed_data());
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpuF32, PagedAttentionF32,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpu, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -5,6 +5,7 @@
 #define PAGED_JAX_CPU_COMMON_H_
 
 #include <algorithm>
+#include <bit>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -25,6 +26,20 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(si
 
 inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
+
+// bfloat16 as the FFI hands it over: the high 16 bits of a float32. Widening one is exact: a
+// zero-extension and a shift (vpmovzxwd and vpslld on x86, ushll on ARM), so kernels read 16-bit
+// pages at half the bytes and compute in float32 as they do on float32 pages. Loads need only
+// uint16_t alignment.
+using BF16 = uint16_t;
+typedef uint16_t HalfVec __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
+typedef uint32_t WideVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Vec Load(const BF16* p) {
+  return (Vec)(__builtin_convertvector(*reinterpret_cast<const HalfVec*>(p), WideVec) << 16);  // a bit cast
+}
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(BF16 x) { return std::bit_cast<float>(uint32_t{x} << 16); }
 
 inline float Sum(Vec v) {
   float sum = 0.0f;

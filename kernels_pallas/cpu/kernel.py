@@ -1,5 +1,6 @@
 """The CPU kernels, built on first use and called through XLA's FFI: paged attention
-(attention.cc) and the matmul over weights packed in column panels (linear.cc).
+(attention.cc), the matmul over weights packed in column panels (linear.cc), and its int8 form
+(linear_int8.cc: int8 weights with per-column scales, activations quantized per row as it runs).
 
 They are compiled with the machine's C++ compiler for this CPU (-march=native) into one library in
 the cache directory, keyed by the sources, the compiler flags and the CPU, so later runs load it at
@@ -25,11 +26,14 @@ import numpy as np
 from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
 
 _HERE = Path(__file__).parent
-_SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc"))
+_SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc", "linear_int8.cc"))
 _HEADERS = (_HERE / "common.h",)
-_TARGET = "paged_jax_paged_attention_cpu_f32"
+_TARGET = "paged_jax_paged_attention_cpu"
+PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the attention kernel reads
 _LINEAR = "paged_jax_linear_cpu_f32"
+_LINEAR_INT8 = "paged_jax_linear_cpu_int8"
 PANEL = 16  # columns per panel of a packed weight (linear.cc's kPanel)
+INT8_GROUP = 4  # k values a dot-product lane sums (linear_int8.cc's kGroup)
 _UNWRITTEN = "paged_jax_unwritten_buffer"
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's libmvec); the kernel keeps
 # to finite numbers and never reads an unwritten slot, so its assumptions hold. It is given to the
@@ -95,8 +99,9 @@ def build_error() -> str | None:
         return f"building the CPU kernels failed: {(e.stderr or '').strip()[-500:]}"
     except (OSError, RuntimeError) as e:
         return str(e)
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpuF32), platform="cpu")
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpu), platform="cpu")
     jax.ffi.register_ffi_target(_LINEAR, jax.ffi.pycapsule(library.LinearCpuF32), platform="cpu")
+    jax.ffi.register_ffi_target(_LINEAR_INT8, jax.ffi.pycapsule(library.LinearCpuInt8), platform="cpu")
     jax.ffi.register_ffi_target(_UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")
     return None
 
@@ -135,20 +140,24 @@ def paged_attention_cpu(
     scale: float | None = None,
     layout: str = TOKEN_MAJOR,
 ) -> jax.Array:
-    """Same contract as paged_attention_reference, for float32 q and pages.
+    """Same contract as paged_attention_reference, computed in float32 over float32 or bfloat16 pages.
 
     The kernel streams each sequence's pages once per KV head and work item: decode rows one token
-    at a time, rows of several new tokens in query tiles whose dots run on register tiles.
+    at a time, rows of several new tokens in query tiles whose dots run on register tiles. bfloat16
+    pages are widened to float32 as they are read (exactly), so they halve the bytes read and change
+    nothing else; the only error against float32 pages is the rounding of K/V when they were written.
 
-    q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 pages in `layout` (layout.py; the
-    kernel is told the layout's strides); block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32
-    [num_seqs]; query_start_loc: int32 [num_seqs + 1]. Returns f32 [num_tokens, num_heads, head_dim].
-    max_query_len is the seam's static bound, unused: the kernel reads each row's length at run time.
+    q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 or bf16 pages (one dtype) in
+    `layout` (layout.py; the kernel is told the layout's strides); block_tables: int32 [num_seqs,
+    max_blocks_per_seq]; seq_lens: int32 [num_seqs]; query_start_loc: int32 [num_seqs + 1].
+    Returns f32 [num_tokens, num_heads, head_dim]. max_query_len is the seam's static bound, unused:
+    the kernel reads each row's length at run time.
     """
     if not available():
         raise RuntimeError("the CPU attention kernel could not be built; use the 'xla' path")
-    if q.dtype != np.float32 or k_pages.dtype != np.float32 or v_pages.dtype != np.float32:
-        raise ValueError(f"the CPU kernel takes float32 q and pages, got {q.dtype}, {k_pages.dtype}")
+    if q.dtype != np.float32 or k_pages.dtype not in PAGE_DTYPES or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"the CPU kernel takes float32 q and float32 or bfloat16 pages of one dtype, got {q.dtype}, "
+                         f"{k_pages.dtype} and {v_pages.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = (q, k_pages, v_pages, block_tables.astype(np.int32), seq_lens.astype(np.int32),
             query_start_loc.astype(np.int32))
@@ -177,3 +186,45 @@ def linear_cpu(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     if x.dtype != np.float32 or packed.dtype != np.float32:
         raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype} and {packed.dtype}")
     return jax.ffi.ffi_call(_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed)
+
+
+def pack_int8(w: jax.Array) -> jax.Array:
+    """w: f32 [K, N] -> int8 [ceil(N / PANEL), ceil(K / 4) + 2, 64], for linear_int8_cpu.
+
+    Each column is quantized symmetrically, q = round(w / s) with s = max|w_column| / 127; a panel of
+    PANEL columns holds, per group of 4 k, each column's 4 values side by side (the order of the dot
+    product of bytes), then its columns' scales (float32) and sums of q (int32) as bytes. Done once
+    per weight, at load.
+    """
+    k, n = w.shape
+    panels, groups = -(-n // PANEL), -(-k // INT8_GROUP)
+    scale = jnp.max(jnp.abs(w), axis=0) / 127
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    q = jnp.pad(q, ((0, groups * INT8_GROUP - k), (0, panels * PANEL - n)))
+    body = q.reshape(groups, INT8_GROUP, panels, PANEL).transpose(2, 0, 3, 1).reshape(panels, groups, -1)
+    as_bytes = lambda a: jax.lax.bitcast_convert_type(a.reshape(panels, PANEL), jnp.int8).reshape(panels, 1, -1)
+    scales = jnp.pad(scale.astype(jnp.float32), (0, panels * PANEL - n), constant_values=1.0)
+    return jnp.concatenate([body, as_bytes(scales), as_bytes(q.astype(jnp.int32).sum(0))], axis=1)
+
+
+def unpack_int8(packed: jax.Array, k: int, n: int) -> jax.Array:
+    """The float32 [k, n] weight that pack_int8's result stands for: each q times its column's scale."""
+    panels, groups = packed.shape[0], packed.shape[1] - 2
+    q = packed[:, :groups].reshape(panels, groups, PANEL, INT8_GROUP).transpose(1, 3, 0, 2)
+    scales = jax.lax.bitcast_convert_type(packed[:, groups].reshape(panels, PANEL, 4), jnp.float32)
+    return (q.reshape(groups * INT8_GROUP, -1).astype(jnp.float32) * scales.reshape(-1))[:k, :n]
+
+
+def linear_int8_cpu(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """About x @ w for x: f32 [M, K] and packed = pack_int8(w) of a f32 w [K, n]; returns f32 [M, n].
+
+    Each row of x is quantized to 8 bits as the kernel runs, its range [min(x_row, 0), max(x_row, 0)]
+    in 255 steps (a scale and zero point of its own); products are summed exactly in int32
+    (linear_int8.cc), so the only errors are the two roundings.
+    """
+    if not available():
+        raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
+    if x.dtype != np.float32 or packed.dtype != np.int8:
+        raise ValueError(f"the int8 linear kernel takes float32 x and a pack_int8 weight, got {x.dtype} and {packed.dtype}")
+    return jax.ffi.ffi_call(_LINEAR_INT8, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed)

@@ -66,7 +66,8 @@ def paged_attention_xla(
 
     q: [num_tokens, num_heads, head_dim] float32/bfloat16/float16; query heads h*G..h*G+G-1 share KV
         head h.
-    k_pages, v_pages: pages in `layout` (layout.py) in q's dtype, already holding this step's new K/V.
+    k_pages, v_pages: pages in `layout` (layout.py) in q's dtype, or 16-bit pages under a float32 q,
+        already holding this step's new K/V.
     block_tables: int32 [num_seqs, max_blocks_per_seq]
     seq_lens: int32 [num_seqs]; context length including the new tokens, 0 for padding sequences.
     query_start_loc: int32 [num_seqs + 1]; sequence i owns tokens query_start_loc[i]:[i+1].
@@ -281,9 +282,10 @@ def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
             f"q's heads {q.shape[1]} must be a multiple of the pages' {kv_heads} and head_dim"
             f" {q.shape[2]} equal theirs {head_dim}"
         )
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    if v_pages.dtype != k_pages.dtype or q.dtype not in (k_pages.dtype, jnp.float32):
         raise ValueError(
-            f"q, k_pages and v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+            f"k_pages and v_pages must share a dtype, and q have it or be float32, got {q.dtype}, {k_pages.dtype}, "
+            f"{v_pages.dtype}"
         )
     num_seqs = block_tables.shape[0]
     if block_tables.ndim != 2 or seq_lens.shape != (num_seqs,) or query_start_loc.shape != (num_seqs + 1,):

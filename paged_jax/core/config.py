@@ -13,6 +13,9 @@ from paged_jax.core.buckets import StepBuckets
 from paged_jax.core.policy import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = (None, "int8")
+# vLLM's names for the KV cache's dtype ("auto": the model's); "bf16" is "bfloat16".
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16")
 MATMUL_BACKENDS = ("auto", "cpu", "xla")
 # The KV budget where no device reports its memory (the CPU): what a laptop can spare.
 HOST_KV_CACHE_MEMORY_BYTES = 2 << 30
@@ -66,12 +69,23 @@ class EngineConfig:
     # Of the KV cache, and of the weights `LLMEngine.from_pretrained` loads. "auto": bfloat16 on a GPU,
     # float32 (the fast dtype there) on the CPU; for a model handed to the engine, its weights' dtype.
     dtype: str = _option("auto", "parameter and KV-cache dtype", DTYPES)
+    # The KV cache's alone: "bfloat16" under float32 weights halves the bytes decode reads and holds
+    # twice the tokens in the same budget; on the CPU the C++ kernel widens its pages to float32 as it
+    # reads them, so only K/V's rounding on write costs accuracy (scripts/eval_precision.py).
+    kv_cache_dtype: str = _option(
+        "auto", "KV-cache dtype; auto: --dtype's. bfloat16 under float32 weights halves the K/V bytes", KV_CACHE_DTYPES)
     attention_backend: str = _option("auto", "paged-attention implementation", BACKENDS)
     # "cpu" packs the weights once for the C++ kernel (kernels_pallas/cpu/linear.cc); "auto" takes it
     # for float32 weights on one CPU device.
     matmul_backend: str = _option(
         "auto", "the model's matmuls: cpu packs the weights for the C++ kernel, xla leaves them to XLA",
         MATMUL_BACKENDS)
+    # vLLM's name. "int8": the layers' weights in int8 with per-column scales, activations quantized
+    # per token as the step runs, through the C++ matmul (kernels_pallas/cpu/linear_int8.cc); float32
+    # weights on one CPU device only. None: the weights as loaded.
+    quantization: str | None = _option(
+        None, "int8: the layers' weights in int8, activations quantized per token (the C++ matmul, float32 "
+        "on one CPU)", QUANTIZATIONS)
     # kernels_pallas/layout.py; "auto": what the attention backend reads fastest (kv_block_defaults).
     kv_layout: str = _option(
         "auto", "KV page layout: token-major [block, slot, head, dim] or head-major [block, head, slot, dim]; "
@@ -105,7 +119,8 @@ class ResolvedConfig:
     kv_layout: str  # one of kernels_pallas.LAYOUTS
     max_model_len: int
     max_blocks_per_seq: int
-    dtype: str  # of the KV cache: "float32" or "bfloat16"
+    dtype: str  # of the weights and the model's arithmetic: "float32" or "bfloat16"
+    kv_cache_dtype: str  # of the KV pages: "float32" or "bfloat16"
     platform: str  # the JAX platform the engine runs on: "gpu", "cpu", ...
     attention: BackendChoice  # the attention backend that runs (never "auto"), and why
     matmul: BackendChoice  # "cpu" or "xla" (never "auto"), and why
@@ -170,6 +185,9 @@ def choose_matmul_backend(config: EngineConfig, platform: str, weights_dtype) ->
     # The kernel is built only where it could run (never on a GPU machine).
     if not reasons and not cpu_kernel.available():
         reasons.append(f"the CPU kernel is unavailable: {cpu_kernel.build_error()}")
+    if config.quantization is not None and (reasons or config.matmul_backend == "xla"):
+        why = "; ".join(reasons) or "matmul_backend 'xla' was asked for"
+        raise ValueError(f"quantization {config.quantization!r} runs on the C++ matmul, which cannot run here: {why}")
     if config.matmul_backend == "xla":
         return BackendChoice("xla", "asked for", False)
     if not reasons:
@@ -196,16 +214,17 @@ def kv_block_defaults(config: EngineConfig, attention_backend: str) -> tuple[int
 
 
 def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -> ResolvedConfig:
-    """Settle the run-time values: context length from the model, dtype from the weights, attention
-    backend from the platform, block count from the memory budget.
+    """Settle the run-time values: context length from the model, dtype (and the KV cache's, unless
+    asked) from the weights, attention backend from the platform, block count from the memory budget.
 
     model_config: a models.ModelConfig, as the engine runs it (KV heads' copies counted, as
         models.sharding lays them out); device: one of the devices the engine runs on;
     weights_dtype: the model's parameter dtype.
     """
     dtype = jnp.dtype(weights_dtype).name if config.dtype == "auto" else config.dtype
+    kv_dtype = {"auto": dtype, "bf16": "bfloat16"}.get(config.kv_cache_dtype, config.kv_cache_dtype)
     platform = device.platform
-    attention = choose_backend(config.attention_backend, dtype, platform)
+    attention = choose_backend(config.attention_backend, dtype, platform, kv_dtype=kv_dtype)
     backend = attention.backend
     if _BACKEND_PLATFORM.get(backend, platform) != platform:
         raise ValueError(f"attention_backend {backend!r} runs on {_BACKEND_PLATFORM[backend]} only, and this "
@@ -224,7 +243,7 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
         kv_heads = model_config.num_kv_heads
         if platform == "gpu":
             kv_heads //= config.tensor_parallel_size
-        per_block = bytes_per_block(model_config.num_layers, block_size, kv_heads, model_config.head_dim, dtype)
+        per_block = bytes_per_block(model_config.num_layers, block_size, kv_heads, model_config.head_dim, kv_dtype)
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
         num_blocks = min(kv_cache_budget(config, device) // per_block,
                          4 * cdiv(wanted, block_size) * config.max_num_seqs) + 1
@@ -241,7 +260,7 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     max_blocks_per_seq = cdiv(max_model_len, block_size)
     return ResolvedConfig(num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
                           max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
-                          dtype=dtype, platform=platform, attention=attention,
+                          dtype=dtype, kv_cache_dtype=kv_dtype, platform=platform, attention=attention,
                           matmul=choose_matmul_backend(config, platform, weights_dtype),
                           buckets=StepBuckets(config.max_num_batched_tokens, config.max_num_seqs,
                                               max_blocks_per_seq, backend))

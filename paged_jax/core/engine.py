@@ -89,7 +89,7 @@ class LLMEngine:
                    attention.backend, attention.reason)
         logger.info("matmul backend %s: %s", self.resolved.matmul_backend, self.resolved.matmul.reason)
         if self.resolved.matmul_backend == "cpu":
-            model = model.pack_for_cpu()
+            model = model.pack_for_cpu(self.config.quantization)
         self.runner = ModelRunner(model, model_config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
@@ -271,7 +271,8 @@ class LLMEngine:
             for tid, lp in zip(sampled.top_ids[row, : seq.params.logprobs], sampled.top_logprobs[row, : seq.params.logprobs]):
                 entry.setdefault(int(tid), float(lp))
             seq.logprobs.append(entry)
-        seq.cumulative_logprob += float(sampled.logprobs[row])
+            # Only then does the sampler compute logprobs (sampling.py); vLLM's rule too.
+            seq.cumulative_logprob += float(sampled.logprobs[row])
         text = request.sample(seq).text
         text.add(token)
         reason = self.gate.refusal(seq, token) or check_stop(seq, token, text, self.eos_token_ids,

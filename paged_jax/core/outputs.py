@@ -14,6 +14,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    # Sum of the chosen tokens' logprobs; None unless the request asked for logprobs (as in vLLM:
+    # the sampler computes none otherwise). Beam search always has it.
     cumulative_logprob: float | None
     # Per generated token: {token id: logprob} holding the chosen token and the top N.
     logprobs: list[dict[int, float]] | None

@@ -4,7 +4,10 @@ The host packs the rows' parameters into a `SamplingTensors` pytree (`make_sampl
 `sample` applies them as vLLM does:
 
 1. logprobs are taken from the raw logits, before penalties and temperature (vLLM's default
-   "raw_logprobs": they describe the model, not the sampler's reshaping of it);
+   "raw_logprobs": they describe the model, not the sampler's reshaping of it), in steps where a row
+   asks for them (logprobs not None); a step where none does skips the log-softmax over the
+   vocabulary (a run-time branch: no second program), and as in vLLM such a request has no
+   cumulative_logprob;
 2. repetition, presence and frequency penalties; EOS and stop ids banned until min_tokens; then
    every token the row's constraint does not allow (structured outputs: a bitmask, all ones for an
    unconstrained row);
@@ -56,7 +59,7 @@ class SamplingTensors:
     all_greedy: jax.Array  # bool []
     any_banned: jax.Array  # bool []
     do_top_k_top_p: jax.Array  # bool []         some sampled row has top_k or top_p
-    any_logprobs: jax.Array  # bool []           some row asks for top logprobs
+    any_logprobs: jax.Array  # bool []           some row asks for logprobs
 
     @property
     def do_penalties(self) -> bool:
@@ -67,7 +70,7 @@ class SamplingTensors:
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     tokens: jax.Array  # int32 [S]
-    logprobs: jax.Array  # f32 [S]             raw logprob of each chosen token
+    logprobs: jax.Array  # f32 [S]             raw logprob of each chosen token; 0 unless some row asked
     top_logprobs: jax.Array  # f32 [S, K]      K = min(MAX_LOGPROBS, V), largest first; 0 unless some row asked
     top_ids: jax.Array  # int32 [S, K]
 
@@ -151,7 +154,7 @@ def make_sampling_tensors(
         all_greedy=np.bool_(not sampled),
         any_banned=np.bool_(banned.any()),
         do_top_k_top_p=np.bool_(any(p.top_k > 0 or p.top_p < 1 for p in sampled)),
-        any_logprobs=np.bool_(any(p.logprobs for p in params)),
+        any_logprobs=np.bool_(any(p.logprobs is not None for p in params)),
     )
 
 
@@ -181,8 +184,7 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
         raise ValueError(f"logits have {num_rows} rows, the sampling tensors {t.temperature.shape[0]}")
     if t.banned.shape[1] * _BITS < vocab:
         raise ValueError(f"the ban mask covers {t.banned.shape[1] * _BITS} tokens, the logits {vocab}")
-    logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = raw = logits.astype(jnp.float32)
     if t.do_penalties:
         logits = apply_penalties(logits, t)
     logits = jax.lax.cond(t.any_banned, _ban, lambda x, _: x, logits, t.banned)
@@ -190,15 +192,17 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     tokens = jax.lax.cond(t.all_greedy, lambda: greedy,
                           lambda: jnp.where(t.temperature == 0, greedy, _random_tokens(logits, t)))
     k = min(MAX_LOGPROBS, vocab)
-    top_logprobs, top_ids = jax.lax.cond(
-        t.any_logprobs, lambda: tuple(jax.lax.top_k(logprobs, k)),
-        lambda: (jnp.zeros((num_rows, k), jnp.float32), jnp.zeros((num_rows, k), jnp.int32)))
-    return SamplerOutput(
-        tokens=tokens,
-        logprobs=jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0],
-        top_logprobs=top_logprobs,
-        top_ids=top_ids.astype(jnp.int32),
-    )
+
+    def with_logprobs():
+        logprobs = jax.nn.log_softmax(raw, axis=-1)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
+        return jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0], top_logprobs, top_ids.astype(jnp.int32)
+
+    # The log-softmax over the vocabulary only in steps where some row asks for logprobs.
+    chosen, top_logprobs, top_ids = jax.lax.cond(
+        t.any_logprobs, with_logprobs,
+        lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, k), jnp.float32), jnp.zeros((num_rows, k), jnp.int32)))
+    return SamplerOutput(tokens=tokens, logprobs=chosen, top_logprobs=top_logprobs, top_ids=top_ids)
 
 
 def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:

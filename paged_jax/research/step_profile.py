@@ -151,7 +151,7 @@ def _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak,
     c = engine.model_config
     per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
                  + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
-    itemsize = jnp.dtype(engine.resolved.dtype).itemsize
+    itemsize = jnp.dtype(engine.resolved.kv_cache_dtype).itemsize
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.state))
     kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * itemsize
 

@@ -84,7 +84,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         registry, config.served_model_name, max_model_len=engine.resolved.max_model_len,
         cache_config={"block_size": str(engine.resolved.block_size), "num_gpu_blocks": str(engine.resolved.num_blocks - 1),
                       "enable_prefix_caching": str(engine.config.enable_prefix_caching),
-                      "cache_dtype": engine.resolved.dtype},
+                      "cache_dtype": engine.resolved.kv_cache_dtype},
         attention_backend=engine.resolved.attention_backend)
 
     @contextlib.asynccontextmanager

@@ -131,3 +131,24 @@ def test_matmul_backend_packs_for_float32_on_one_cpu_device_and_says_why_not_els
         matmul("gpu", matmul_backend="cpu")
     with pytest.raises(ValueError, match="matmul_backend must be one of"):
         EngineConfig(matmul_backend="onednn")
+
+
+@pytest.mark.parametrize("asked", ["bfloat16", "bf16"])
+def test_a_bfloat16_kv_cache_under_float32_weights_holds_twice_the_tokens(asked):
+    cpu = fake_device("cpu")
+    budget = dict(kv_cache_memory_bytes=4 * MiB, block_size=16, max_num_seqs=8192)
+    full = resolve(EngineConfig(**budget), TINY_LLAMA, cpu, jnp.float32)
+    half = resolve(EngineConfig(**budget, kv_cache_dtype=asked), TINY_LLAMA, cpu, jnp.float32)
+    assert (full.dtype, full.kv_cache_dtype) == ("float32", "float32")
+    assert (half.dtype, half.kv_cache_dtype) == ("float32", "bfloat16")
+    assert half.num_blocks - 1 == 2 * (full.num_blocks - 1) == 2 * (4 * MiB // per_block(jnp.float32))
+    # The C++ kernel computes in float32 over either page dtype, so it stays where it runs at all.
+    assert half.attention == (("cpu", "the C++ kernel for float32 over bfloat16 pages on the CPU", False)
+                              if full.attention_backend == "cpu" else full.attention)
+    gpu = fake_device("gpu", {"bytes_limit": 20 * MiB, "bytes_in_use": 0})
+    assert resolve(EngineConfig(kv_cache_dtype="float32"), TINY_LLAMA, gpu, jnp.bfloat16).kv_cache_dtype == "float32"
+
+
+def test_an_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp8")

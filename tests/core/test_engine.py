@@ -206,7 +206,10 @@ def test_abort_frees_blocks_at_once(tiny, prompts):
 def test_outputs_report_timing_and_logprobs(tiny, prompts):
     engine = make_engine(tiny, block_size=8, num_blocks=256)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
-    out = LLM.from_engine(engine).generate([prompts[2]], params, use_tqdm=False)[0]
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out, beside = LLM.from_engine(engine).generate([prompts[2], prompts[1]], [params, plain], use_tqdm=False)
+    # As in vLLM, a request that asked for no logprobs has none, nor their sum, in any batch.
+    assert beside.outputs[0].logprobs is None and beside.outputs[0].cumulative_logprob is None
     completion = out.outputs[0]
     assert len(completion.logprobs) == 6
     for token, entry in zip(completion.token_ids, completion.logprobs):

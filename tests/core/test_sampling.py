@@ -353,6 +353,15 @@ def test_a_ban_mask_narrower_than_the_logits_is_refused():
         sample(np.zeros((1, 2000), np.float32), build([SamplingParams()]))
 
 
+def test_logprobs_only_when_asked():
+    logits = np.zeros((2, 8), np.float32)
+    none = sample(logits, build([SamplingParams(), SamplingParams()]))
+    assert not np.asarray(none.logprobs).any()  # the log-softmax's branch did not run
+    for asked in (0, 2):  # logprobs=0 still asks for the chosen token's
+        out = sample(logits, build([SamplingParams(logprobs=asked), SamplingParams()]))
+        np.testing.assert_allclose(out.logprobs, [np.log(1 / 8)] * 2, rtol=1e-6)
+
+
 def test_batches_of_one_bucket_share_one_compilation():
     rng = np.random.default_rng(7)
     logits = rng.normal(size=(16, 100)).astype(np.float32)

@@ -11,7 +11,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
 import bench_peers  # noqa: E402
 
 
-def test_rounds_ratios_agreement_and_a_profile_that_adds_up(tiny_checkpoint, tmp_path):
+def test_rounds_ratios_agreement_a_precision_row_and_a_profile_that_adds_up(tiny_checkpoint, tmp_path):
     folder, _ = tiny_checkpoint("smollm2")
     rng = np.random.default_rng(0)
     workload = tmp_path / "tiny.json"
@@ -21,13 +21,20 @@ def test_rounds_ratios_agreement_and_a_profile_that_adds_up(tiny_checkpoint, tmp
     out = tmp_path / "peers.json"
     figures = bench_peers.main(["--model", str(folder), "--workload", str(workload), "--rounds", "2",
                                 "--peers", "transformers", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-                                "--check-requests", "4", "--check-tokens", "4", "--profile", "--json", str(out)])
-    assert json.loads(out.read_text())["median_ratio"] == figures["median_ratio"]
+                                "--check-requests", "4", "--check-tokens", "4", "--precisions", "kv-bf16", "--profile",
+                                "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["median_ratio"] == figures["median_ratio"]
+    assert saved["machine"]["cpu_model"] and saved["machine"]["cores"] >= 1
     assert len(figures["rounds"]) == 2 and all(row["paged-jax"] > 0 and row["transformers"] > 0
                                                for row in figures["rounds"])
     assert len(figures["ratios"]["transformers"]) == 2 and figures["median_ratio"]["transformers"] > 0
     check = figures["token_agreement"]["transformers"]
     assert len(check["matching_prefix"]) == 4 and check["agreement"] >= 0.75
+    # The precision row: every round beside float32, its ratios, its agreement with float32's tokens.
+    assert all(row["paged-jax kv-bf16"] > 0 for row in figures["rounds"]) and figures["prefix_hit_tokens"] == [0, 0]
+    assert len(figures["precision_ratios"]["paged-jax kv-bf16 / transformers"]) == 2
+    assert figures["token_agreement"]["paged-jax kv-bf16"]["agreement"] >= 0.75
 
     profile = figures["profile"]
     assert profile["model_steps"] > 0 and profile["parts_s"]["matmul"] > 0 and profile["parts_s"]["attention"] > 0
