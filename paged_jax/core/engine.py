@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 import models
 from models.loader import cache_dir, shard_model
 from models.sharding import make_mesh
-from paged_jax.core import beam_search, distributed, output_processor, structured_output, validation
+from paged_jax.core import beam_search, compilation_cache, distributed, output_processor, structured_output, validation
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig, default_device, default_dtype, resolve
 from paged_jax.core.engine_stats import EngineStats
@@ -38,20 +38,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_SEED = 2**31 - 1
 
-
-def _enable_compilation_cache() -> None:
-    """Keep compiled programs on disk, so a second run starts without compiling (unless the user
-    chose a cache of their own). Every program: JAX keeps only those that took a second or more to
-    compile by default, but the block pool's small ones add up to about half a second a start, and
-    loading one takes milliseconds."""
-    if jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-# Once, when the engine is imported, not by each engine built: the cache is the process's, and so a
-# setting made before anything compiles (as JAX advises), not a side effect of constructing an object.
-_enable_compilation_cache()
+# Once, when the engine is imported, not by each engine built (compilation_cache.py).
+compilation_cache.enable()
 
 
 def _mesh(config: EngineConfig) -> Mesh | None:

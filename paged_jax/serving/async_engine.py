@@ -18,7 +18,8 @@ from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.validation import EngineLimits
-from paged_jax.serving.engine_loop import Add, Call, EngineDeadError, EngineLoop, EngineStepError, QueueFullError
+from paged_jax.serving.engine_loop import EngineLoop
+from paged_jax.serving.loop_commands import Add, Call, EngineDeadError, EngineStepError, QueueFullError
 from paged_jax.serving.request_stream import RequestStream
 from paged_jax.serving.stats import SchedulerStats, StatLogger
 

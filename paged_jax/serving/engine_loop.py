@@ -6,18 +6,17 @@ loggers (stats.py). It uses only the engine's narrow surface (engine.py): its li
 abort_request, has_unfinished_requests, step and stats().
 """
 
-import asyncio
 import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from paged_jax.core import warmup
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import RequestOutput
-from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.serving.loop_commands import Abort, Add, Call, EngineDeadError, EngineStepError, QueueFullError
 from paged_jax.serving.request_stream import RequestStream, engine_params, post, reply, settle
 from paged_jax.serving.stats import (FinishedRequestStats, IterationStats, RequestTally, SchedulerStats, StatLogger,
                                      scheduler_stats)
@@ -26,43 +25,6 @@ log = logging.getLogger(__name__)
 
 # How long the loop waits for commands when the engine holds requests but could schedule none of them.
 _IDLE_WAIT_S = 0.01
-
-
-class QueueFullError(RuntimeError):
-    """The engine already holds as many waiting requests as it was allowed: try again later."""
-
-    def __init__(self, num_waiting: int, retry_after: float):
-        super().__init__(f"{num_waiting} requests are already waiting, the most this server queues; retry later")
-        self.retry_after = retry_after
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (shut down, or died): no request can run."""
-
-
-class EngineStepError(RuntimeError):
-    """The engine step that ran this request raised; the request ended with it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    stream: RequestStream
-    priority: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Abort:
-    request_id: str
-    reason: str  # "abort" or "timeout", for the metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    fn: Callable[[LLMEngine], object]
-    future: asyncio.Future
 
 
 _STOP = object()

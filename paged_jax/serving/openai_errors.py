@@ -2,7 +2,7 @@
 the engine's own refusals (RequestError) and failures onto it."""
 
 from paged_jax.core.errors import RequestError
-from paged_jax.serving.engine_loop import EngineStepError
+from paged_jax.serving.loop_commands import EngineStepError
 from paged_jax.serving.openai_protocol import ErrorInfo, ErrorResponse
 
 

@@ -8,8 +8,8 @@ from paged_jax.core.validation import check_token_ids
 from paged_jax.serving.openai_chat import ChatServing
 from paged_jax.serving.openai_completions import CompletionServing
 from paged_jax.serving.openai_errors import APIError, refused
-from paged_jax.serving.openai_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
-                                               TokenizeResponse)
+from paged_jax.serving.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                                                 TokenizeResponse)
 from paged_jax.serving.openai_streams import EventStream
 
 __all__ = ["APIError", "EventStream", "OpenAIServing"]

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from pydantic import BaseModel
 
 from paged_jax.core.outputs import RequestOutput
-from paged_jax.serving.engine_loop import EngineStepError
+from paged_jax.serving.loop_commands import EngineStepError
 from paged_jax.serving.openai_errors import APIError, engine_error
 from paged_jax.serving.request_stream import RequestStream
 

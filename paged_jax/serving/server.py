@@ -31,8 +31,9 @@ from paged_jax.core.engine import LLMEngine
 from paged_jax.serving.metrics import PrometheusMetrics
 from paged_jax.serving.middleware import ApiKey, BodyLimit
 from paged_jax.serving.openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                                       ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
+                                               CompletionResponse, ErrorResponse, ModelCard, ModelList, VersionResponse)
+from paged_jax.serving.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
+                                                 TokenizeResponse)
 from paged_jax.serving.openai_serving import APIError, EventStream, OpenAIServing
 from paged_jax.serving.tool_parsers import PARSERS
 
