@@ -25,7 +25,7 @@ def run_forced(code: str, devices: int, timeout: float) -> str:
     """stdout of `code` run with tests/ importable on `devices` forced host devices."""
     flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     env = os.environ | {"XLA_FLAGS": flags}
-    run = subprocess.run([sys.executable, "-c", "import sys; sys.path[:0] = ['tests']; " + code], cwd=REPO, env=env,
+    run = subprocess.run([sys.executable, "-c", "import sys; sys.path[:0] = ['tests/core']; " + code], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-4000:]
     return run.stdout
