@@ -36,7 +36,7 @@ def failed_output(request: Request, error: Exception, now: float) -> RequestOutp
     for seq in sorted(request.seqs, key=lambda s: s.index):
         sent = request.sample(seq).num_tokens_sent if request.params.output_kind is DELTA else 0
         completions.append(CompletionOutput(seq.index, "", seq.token_ids[seq.num_prompt_tokens + sent:],
-                                            seq.cumulative_logprob, None, "error"))
+                                            _cumulative_logprob(seq), None, "error"))
     metrics = _metrics(request, now, max((s.num_output_tokens for s in request.seqs), default=0))
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, True, metrics,
                          error=f"{type(error).__name__}: {error}")
@@ -59,7 +59,7 @@ def _completion(request: Request, seq: Sequence) -> CompletionOutput | None:
         text = sample.text.text_sent
     sample.num_tokens_sent, sample.finish_sent = seq.num_output_tokens, finished
     logprobs = seq.logprobs[start:] if seq.params.logprobs is not None else None
-    return CompletionOutput(seq.index, text, token_ids, seq.cumulative_logprob, logprobs, seq.finish_reason,
+    return CompletionOutput(seq.index, text, token_ids, _cumulative_logprob(seq), logprobs, seq.finish_reason,
                             seq.stop_reason)
 
 
@@ -92,3 +92,8 @@ def _metrics(request: Request, finish_time: float | None, num_output_tokens: int
         num_prefix_hit_tokens=request.seqs[0].num_prefix_hit_tokens if request.seqs else 0,
         num_preemptions=sum(s.num_preemptions for s in request.seqs),
         first_scheduled_time=request.first_scheduled_time)
+
+
+def _cumulative_logprob(seq) -> float | None:
+    # The sampler computes logprobs only for requests that ask for them (sampling.py), as vLLM does.
+    return seq.cumulative_logprob if seq.params.logprobs is not None else None
