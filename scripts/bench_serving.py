@@ -45,6 +45,7 @@ import httpx
 import numpy as np
 
 import bench_peers
+import bench_throughput
 from paged_jax.research import machine
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
@@ -298,9 +299,7 @@ def main(argv=None) -> dict:
         print(f"\npaged-jax / {args.peer}, medians over {args.rounds} rounds (throughput: above 1 is better; "
               f"latencies: below 1 is better):")
         print(format_ratios(results["ratios"]))
-    if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+    bench_throughput.write_json(args.json, results)
     return results
 
 

@@ -79,12 +79,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def write_json(path, figures: dict) -> None:
-    """The figures as JSON at path, its folder made if need be."""
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(path).write_text(json.dumps(figures, indent=2))
-
-
 def load_workload(path) -> dict:
     """The workload file; W1 made from its recipe where the default file is missing (a GPU machine
     with only the project's code)."""

@@ -12,11 +12,10 @@ prompt chunk of P tokens, and the ratio of the two.
 """
 
 import argparse
-import json
-import pathlib
 import statistics
 import time
 
+import bench_throughput
 from paged_jax import LLMEngine, SamplingParams
 from paged_jax.core import warmup
 from paged_jax.core.scheduler import ScheduledSeq
@@ -80,9 +79,7 @@ def main(argv=None) -> dict:
               "decode_step_ms": round(1000 * decode_s, 2), "steps": rows,
               "warm_up": {"step_shapes": done.num_step_shapes, "sampler_shapes": done.num_sampler_shapes,
                           "programs": done.num_programs, "seconds": round(done.seconds, 1)}}
-    if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
+    bench_throughput.write_json(args.json, result)
     return result
 
 
