@@ -28,7 +28,6 @@ keep the zeros the output starts with.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import models
-from models.loader import cache_dir, shard_model
+from models.loader import shard_model
 from models.sharding import make_mesh
 from paged_jax.core import beam_search, compilation_cache, distributed, output_processor, structured_output, validation
 from paged_jax.core.block_manager import BlockManager

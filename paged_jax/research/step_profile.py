@@ -159,10 +159,10 @@ def _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak,
     for step, parts in zip(steps, per_step):
         groups[(step.kind, step.bucket)].append((step, parts))
     rows = []
-    for (kind, bucket), members in sorted(groups.items()):
+    for (kind, group), members in sorted(groups.items()):
         wall = sum(s.wall_s for s, _ in members)
         parts = {p: sum(x[p] for _, x in members) for p in PARTS}
-        row = dict(kind=kind, bucket=("T=" if kind == "prefill" else "S=") + str(bucket), steps=len(members),
+        row = dict(kind=kind, bucket=("T=" if kind == "prefill" else "S=") + str(group), steps=len(members),
                    seconds=round(wall, 3), ms_per_step=round(1e3 * statistics.mean(s.wall_s for s, _ in members), 2),
                    parts_s={p: round(v, 6) for p, v in parts.items()},
                    tokens=sum(s.tokens for s, _ in members))

@@ -13,7 +13,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from paged_jax.core import compiles, warmup
+from models import DEFAULT_MODEL
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ class AsyncLLMEngine:
         self._loop = EngineLoop(engine, max_num_queued_reqs, max_queue_time, stat_loggers, warm_up)
 
     @classmethod
-    def from_pretrained(cls, model: str = "smollm2-135m", *, max_num_queued_reqs: int | None = None,
+    def from_pretrained(cls, model: str = DEFAULT_MODEL, *, max_num_queued_reqs: int | None = None,
                         stat_loggers: Sequence[StatLogger] = (), **engine_options) -> "AsyncLLMEngine":
         return cls(LLMEngine.from_pretrained(model, **engine_options), max_num_queued_reqs=max_num_queued_reqs,
                    stat_loggers=stat_loggers)

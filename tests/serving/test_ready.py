@@ -8,7 +8,6 @@ import random
 import threading
 
 import httpx
-import pytest
 
 from conftest import running_server
 from paged_jax import EngineConfig, LLMEngine
