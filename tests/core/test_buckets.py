@@ -75,4 +75,4 @@ def test_bucketing_imports_no_engine_module():
     """The data path runs one way: the scheduler, batch and block manager import this, not back."""
     code = "import sys, paged_jax.core.buckets; print(sorted(m for m in sys.modules if m.startswith('paged_jax')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['paged_jax', 'paged_jax.core', 'paged_jax.core.buckets']"
+    assert out.strip() == "['paged_jax', 'paged_jax.core', 'paged_jax.core.buckets', 'paged_jax.siblings']"
