@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
+from kernels_pallas.layout import get_pages, set_pages
 from models import sharding
 from paged_jax.core import distributed, sampling
 from paged_jax.core.batch import StepInput, build_step_input
@@ -67,7 +68,7 @@ def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, s
 def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copy whole blocks src[i] -> dst[i] in every layer. src, dst: int32 [n]; dst out of range = skip.
     The block axis comes first in every layout, so this copies whole blocks in any."""
-    copy = lambda pages: pages.at[dst].set(pages[src], mode="drop")
+    copy = lambda pages: set_pages(pages, dst, get_pages(pages, src))
     return dataclasses.replace(kv_cache, k=tuple(map(copy, kv_cache.k)), v=tuple(map(copy, kv_cache.v)))
 
 
@@ -75,7 +76,7 @@ def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
 def _write_blocks(kv_cache: KVCache, ids: jax.Array, k: tuple, v: tuple) -> KVCache:
     """ids: int32 [n], out of range = skip; k[l], v[l]: layer l's blocks [n, ...] in the cache's layout
     (as swap_out read them)."""
-    put = lambda pages, new: pages.at[ids].set(new.astype(pages.dtype), mode="drop")
+    put = lambda pages, new: set_pages(pages, ids, new)
     return dataclasses.replace(kv_cache, k=tuple(map(put, kv_cache.k, k)), v=tuple(map(put, kv_cache.v, v)))
 
 
@@ -169,7 +170,8 @@ class ModelRunner:
     @distributed.replicated
     def read_blocks(self, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """ids: int32 [n] -> each layer's K and V blocks [n, ...], on the host."""
-        return distributed.to_host(([k[ids] for k in self.kv_cache.k], [v[ids] for v in self.kv_cache.v]))
+        return distributed.to_host(([get_pages(k, ids) for k in self.kv_cache.k],
+                                    [get_pages(v, ids) for v in self.kv_cache.v]))
 
     @distributed.replicated
     def write_blocks(self, ids: np.ndarray, k: tuple, v: tuple) -> None:
