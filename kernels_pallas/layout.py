@@ -20,7 +20,7 @@ Everything else reaches the layout through this module: `head_axis` says which a
 heads (models/sharding.py splits it), `index` orders a (block, slot, head, dim)
 index for the layout, `page_dims` reads the four sizes back, `strides` gives the element strides a
 kernel needs, `tokens_first` / `heads_first` turn gathered pages into contiguous K/V, `write_kv`
-scatters new tokens. The block axis is first in both, so whole-block copies (copy-on-write, swap)
+scatters new tokens (`set_pages` / `get_pages` index pages of any dtype without converting the pool). The block axis is first in both, so whole-block copies (copy-on-write, swap)
 need not know the layout. `to_jax_layout` converts for comparisons against JAX's own Pallas kernel,
 whose pages are [num_kv_heads, num_blocks, block_size, head_dim].
 """
@@ -137,8 +137,34 @@ def write_kv(
     # NumPy's rules put the broadcast (block, slot) axes first even when a slice separates them.
     block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     at = index(layout, block, slot_mapping % block_size, slice(None), slice(None))
-    return (k_pages.at[at].set(k.astype(k_pages.dtype), mode="drop"),
-            v_pages.at[at].set(v.astype(v_pages.dtype), mode="drop"))
+    return set_pages(k_pages, at, k), set_pages(v_pages, at, v)
+
+
+def _is_16_bit_float(pages: jax.Array) -> bool:
+    return jnp.issubdtype(pages.dtype, jnp.floating) and pages.dtype.itemsize == 2
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+
+def set_pages(pages: jax.Array, index, values: jax.Array) -> jax.Array:
+    """pages.at[index].set(values, mode="drop"), values cast to the pages' dtype (rounded to nearest).
+
+    16-bit float pages (a bfloat16 cache) are scattered into as 16-bit integers, a free bitcast:
+    XLA's CPU backend runs a scatter over 16-bit floats in float32, converting its whole operand, a
+    layer's page pool, there and back at every call (gigabytes a step, for a few tokens written)."""
+    if not _is_16_bit_float(pages):
+        return pages.at[index].set(values.astype(pages.dtype), mode="drop")
+    written = _bits(pages).at[index].set(_bits(values.astype(pages.dtype)), mode="drop")
+    return jax.lax.bitcast_convert_type(written, pages.dtype)
+
+
+def get_pages(pages: jax.Array, index) -> jax.Array:
+    """pages[index], without converting the whole pool first (see set_pages)."""
+    if not _is_16_bit_float(pages):
+        return pages[index]
+    return jax.lax.bitcast_convert_type(_bits(pages)[index], pages.dtype)
 
 
 def tokens_first(pages: jax.Array, layout: str) -> jax.Array:

@@ -1,5 +1,6 @@
 """Attention on the CPU, one layer at engine-shaped steps: the jnp reference against the XLA path
-and, for float32, the C++ kernel (kernels_pallas/cpu/kernel.py).
+and the C++ kernel (kernels_pallas/cpu/kernel.py; with --dtype bfloat16, over bfloat16 pages and a
+float32 q, as a bfloat16 KV cache under float32 weights runs).
 
     python scripts/bench_attention_cpu.py                  # SmolLM2-135M shapes, float32
     python scripts/bench_attention_cpu.py --dtype bfloat16 --rounds 2 --only decode
@@ -148,8 +149,9 @@ def main():
             "reference": jax.jit(lambda *a, Q=Q: paged_attention_reference(*a, max_query_len=Q)),
             "xla": jax.jit(lambda *a, Q=Q: paged_attention_xla(*a, max_query_len=Q)),
         }
-        if args.dtype == "float32":
-            fns["cpu"] = jax.jit(lambda *a, Q=Q: cpu_kernel.paged_attention_cpu(*a, max_query_len=Q))
+        # The C++ kernel computes in float32 over float32 or bfloat16 pages (EngineConfig.kv_cache_dtype).
+        fns["cpu"] = jax.jit(lambda q, *a, Q=Q: cpu_kernel.paged_attention_cpu(q.astype(jnp.float32), *a,
+                                                                                max_query_len=Q))
         if Q == 1:
             fns["chunked"] = jax.jit(lambda q, k, v, bt, sl, _: decode_chunked(q[: bt.shape[0]], k, v, bt, sl))
         ms = {name: float(np.median(t)) for name, t in timings_ms(fns, inputs, args.rounds).items()}

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
+from kernels_pallas.layout import get_pages, set_pages
 from models import sharding
 from paged_jax.core import distributed, sampling, structured_output
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
@@ -90,21 +91,22 @@ def copy_blocks(kv_cache: KVCache, copies: jax.Array, num_copies: jax.Array) -> 
     copies whole blocks in any."""
     def one(i, cache: KVCache) -> KVCache:
         src, dst = copies[i, 0], copies[i, 1]
-        copy = lambda pages: jax.lax.dynamic_update_index_in_dim(pages, pages[src], dst, 0)
+        # As 16-bit integers for bfloat16 pages (layout.py): XLA's CPU backend would convert the pool.
+        copy = lambda pages: set_pages(pages, dst[None], get_pages(pages, src[None]))
         return dataclasses.replace(cache, k=tuple(map(copy, cache.k)), v=tuple(map(copy, cache.v)))
     return jax.lax.fori_loop(0, num_copies, one, kv_cache)
 
 
 @jax.jit
 def _read_blocks(kv_cache: KVCache, ids: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
-    return [k[ids] for k in kv_cache.k], [v[ids] for v in kv_cache.v]
+    return [get_pages(k, ids) for k in kv_cache.k], [get_pages(v, ids) for v in kv_cache.v]
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
 def _write_blocks(kv_cache: KVCache, ids: jax.Array, k: tuple, v: tuple) -> KVCache:
     """ids: int32 [n], out of range = skip; k[l], v[l]: layer l's blocks [n, ...] in the cache's layout
     (as swap_out read them)."""
-    put = lambda pages, new: pages.at[ids].set(new.astype(pages.dtype), mode="drop")
+    put = lambda pages, new: set_pages(pages, ids, new)
     return dataclasses.replace(kv_cache, k=tuple(map(put, kv_cache.k, k)), v=tuple(map(put, kv_cache.v, v)))
 
 

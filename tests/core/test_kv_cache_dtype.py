@@ -8,6 +8,8 @@ import pytest
 
 from models import load_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
+from paged_jax.core import model_runner
+from test_engine import FORK_OPTIONS, generate_forks
 
 STEPS = 24
 # Greedy with the two logprobs the comparison reads: where the tokens part, how far apart float32's
@@ -59,5 +61,39 @@ def test_greedy_tokens_agree_with_float32_but_at_near_ties(tiny, prompts, float3
         gap = chosen[theirs] - chosen.get(ours.token_ids[part], -np.inf)
         assert gap < NEAR_TIE, f"token {part} parted from float32's {theirs} with a logprob gap of {gap:.3g}"
     assert identical >= len(prompts) - 2
+    engine.blocks.reset_prefix_cache()
+    assert engine.blocks.num_free == engine.blocks.num_blocks - 1
+
+
+def test_no_step_converts_a_bfloat16_page_pool_to_float32(tiny, prompts):
+    """XLA's CPU backend would run a scatter or gather over bfloat16 pages in float32, converting the
+    whole pool there and back every step (layout.set_pages goes through 16-bit integers instead)."""
+    engine = LLMEngine(tiny.model, tiny.config, tiny.tokenizer, EngineConfig(**SMALL, kv_cache_dtype="bfloat16",
+                                                                             block_size=16))
+    engine.add_request(prompts[0], PARAMS)
+    scheduled = engine.scheduler.schedule().scheduled
+    args, keywords = engine.runner.step_args(scheduled)
+    pool = ",".join(map(str, engine.runner.kv_cache.k[0].shape))
+    programs = {"step": model_runner.step.lower(*args, **keywords),
+                "copy_blocks": model_runner.copy_blocks.lower(engine.runner.kv_cache, np.zeros((2, 2), np.int32),
+                                                              np.int32(1))}
+    for name, lowered in programs.items():
+        text = lowered.compile().as_text()
+        assert f"bf16[{pool}]" in text and f"f32[{pool}]" not in text, name
+    engine.abort_request("0")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forks_preempted_on_a_full_pool_give_the_same_tokens_over_bfloat16_pages(tiny, prompts, mode):
+    """Copy-on-write block copies and swaps out and back move bfloat16 pages bit for bit
+    (test_engine.py's forks: sampled and beam-searched, on a pool too small for them)."""
+    def forks(**options):
+        engine = LLMEngine(tiny.model, tiny.config, tiny.tokenizer,
+                           EngineConfig(**FORK_OPTIONS | options, kv_cache_dtype="bfloat16", kv_layout="head_major"))
+        return engine, generate_forks(engine, [p * 2 for p in prompts])
+
+    _, (roomy, _) = forks(num_blocks=256)
+    engine, (tokens, preemptions) = forks(preemption_mode=mode)
+    assert tokens == roomy and all(preemptions)
     engine.blocks.reset_prefix_cache()
     assert engine.blocks.num_free == engine.blocks.num_blocks - 1
