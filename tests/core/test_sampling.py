@@ -1,102 +1,11 @@
-"""SamplingParams checks, and the sampler: its distribution, masks, penalties, seeds and shapes."""
+"""The sampler: its distribution, masks, penalties and shapes (its seeds: test_sampling_seeds.py)."""
 
-import dataclasses
-
-import jax
 import numpy as np
 import pytest
 
-from paged_jax.core.sampling import all_allowed, apply_penalties, make_sampling_tensors, sample
+from paged_jax.core.sampling import apply_penalties, sample
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
-
-EOS = 0
-# A ban mask wide enough for every test's vocabulary (the sampler reads the logits' width of it), and
-# room for every test's history.
-VOCAB_SIZE = 1024
-HISTORY_WIDTH = 64
-
-
-def build(params, *, seeds=None, prompts=None, outputs=None, pad_rows_to=None):
-    """Tensors for rows with empty histories and seeds 0, 1, ... unless given."""
-    n = len(params)
-    return make_sampling_tensors(
-        params,
-        list(range(n)) if seeds is None else seeds,
-        [[]] * n if prompts is None else prompts,
-        [[]] * n if outputs is None else outputs,
-        [EOS],
-        allowed=all_allowed(n if pad_rows_to is None else pad_rows_to, VOCAB_SIZE),
-        pad_rows_to=n if pad_rows_to is None else pad_rows_to,
-        vocab_size=VOCAB_SIZE,
-        history_width=HISTORY_WIDTH,
-    )
-
-
-def log_softmax(x):
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-# --- SamplingParams -------------------------------------------------------------------------------
-
-BAD_PARAMS = [
-    dict(temperature=-0.5),
-    dict(top_p=0.0),
-    dict(top_p=1.5),
-    dict(top_k=-2),
-    dict(min_p=-0.1),
-    dict(min_p=1.1),
-    dict(n=0),
-    dict(max_tokens=0),
-    dict(min_tokens=-1),
-    dict(min_tokens=17),  # above the default max_tokens of 16
-    dict(repetition_penalty=0.0),
-    dict(repetition_penalty=float("nan")),
-    dict(temperature=float("inf")),
-    dict(temperature=1e300),
-    dict(length_penalty=float("nan"), use_beam_search=True, n=2, temperature=0.0),
-    dict(presence_penalty=2.5),
-    dict(presence_penalty=-2.5),
-    dict(frequency_penalty=-2.1),
-    dict(logprobs=-1),
-    dict(logprobs=MAX_LOGPROBS + 1),
-    dict(stop=("end", "")),
-    dict(stop_token_ids=(5, -1)),
-    dict(length_penalty=0.5),
-    dict(n=2, temperature=0.0),
-    dict(n=1, use_beam_search=True, temperature=0.0),
-    dict(temperature=1.0, use_beam_search=True, n=4),
-    dict(top_p=0.9, use_beam_search=True, n=4, temperature=0.0),
-    dict(top_k=5, use_beam_search=True, n=4, temperature=0.0),
-    dict(min_p=0.1, use_beam_search=True, n=4, temperature=0.0),
-]
-
-
-@pytest.mark.parametrize("kwargs", BAD_PARAMS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-def test_bad_parameter_is_named_with_its_value(kwargs):
-    # The first key of each case is the parameter at fault; the others set up the context.
-    name, value = next(iter(kwargs.items()))
-    with pytest.raises(ValueError) as info:
-        SamplingParams(**kwargs)
-    message = str(info.value)
-    assert message.startswith(f"{name} ") and message.endswith(f"got {value!r}"), message
-
-
-def test_params_are_normalised_and_frozen():
-    p = SamplingParams(stop="###", stop_token_ids=[7, 9], top_k=0)
-    assert (p.stop, p.stop_token_ids, p.top_k) == (("###",), (7, 9), -1)
-    assert SamplingParams().stop == () and SamplingParams().stop_token_ids == ()
-    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        p.temperature = 0.5
-
-
-def test_greedy_below_eps_and_valid_beam_search():
-    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=1e-6).greedy
-    assert not SamplingParams(temperature=1e-3).greedy
-    beam = SamplingParams(use_beam_search=True, n=4, temperature=0.0, length_penalty=0.8)
-    assert beam.greedy and beam.length_penalty == 0.8
-
+from sampler_rows import EOS, VOCAB_SIZE, build, log_softmax
 
 # --- greedy and the distribution ------------------------------------------------------------------
 
@@ -238,74 +147,6 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     tokens = np.asarray(sample(np.tile(logits, (num, 1)), build(sampled, outputs=[[7]] * num)).tokens)
     assert not np.isin(tokens, [EOS, *stop_ids]).any()
     assert len(set(tokens.tolist())) > 3
-
-
-# --- seeds ------------------------------------------------------------------------------------------
-
-
-def test_a_row_draws_with_fold_in_of_its_seed_and_step():
-    logits = np.random.default_rng(4).normal(size=(1, 1000)).astype(np.float32)
-    for seed, step in [(7, 0), (7, 3), (123456, 9)]:
-        t = build([SamplingParams()], seeds=[seed], outputs=[[1] * step])
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-        assert sample(logits, t).tokens[0] == jax.random.categorical(key, logits[0])
-
-
-def test_seeded_rows_ignore_the_rest_of_the_batch():
-    rng = np.random.default_rng(5)
-    vocab = 1000
-    seeded = [SamplingParams(seed=s, top_p=0.95 if s % 2 else 1.0) for s in range(11, 19)]
-    seeded_logits = rng.normal(size=(8, vocab)).astype(np.float32)
-    seeded_outputs = [[3] * i for i in range(8)]
-    alone = np.asarray(
-        sample(seeded_logits, build(seeded, seeds=[p.seed for p in seeded], outputs=seeded_outputs)).tokens
-    )
-    assert (alone != seeded_logits.argmax(-1)).any(), "the rows must be sampled, not greedy"
-
-    # The same rows shuffled among others that switch on every optional path, in a larger bucket.
-    others = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(top_k=3, repetition_penalty=1.2),
-        SamplingParams(min_p=0.1, frequency_penalty=1.0, logprobs=3),
-        SamplingParams(temperature=0.3, presence_penalty=0.5),
-    ]
-    rows = [("seeded", i) for i in range(8)] + [("other", i) for i in range(4)]
-    rows = [rows[i] for i in rng.permutation(len(rows))]
-    params = [seeded[i] if kind == "seeded" else others[i] for kind, i in rows]
-    logits = np.zeros((16, vocab), np.float32)  # padding rows' logits stay zero
-    for position, (kind, i) in enumerate(rows):
-        logits[position] = seeded_logits[i] if kind == "seeded" else rng.normal(size=vocab)
-    outputs = [seeded_outputs[i] if kind == "seeded" else [1, 2, 3] for kind, i in rows]
-    seeds = [seeded[i].seed if kind == "seeded" else 1000 + i for kind, i in rows]
-    t = build(params, seeds=seeds, prompts=[[4, 5]] * len(rows), outputs=outputs, pad_rows_to=16)
-    assert t.do_penalties and t.do_top_k_top_p and t.any_logprobs
-    mixed = np.asarray(sample(logits, t).tokens)
-    for position, (kind, i) in enumerate(rows):
-        if kind == "seeded":
-            assert mixed[position] == alone[i], (position, i)
-
-
-def test_steps_of_one_seed_draw_different_tokens():
-    uniform = np.zeros((64, 1000), np.float32)
-    params = [SamplingParams(seed=42)] * 64
-    tokens = sample(uniform, build(params, seeds=[42] * 64, outputs=[[1] * i for i in range(64)])).tokens
-    assert len(set(np.asarray(tokens).tolist())) > 50
-
-
-def test_seeds_keep_all_64_bits():
-    t = build([SamplingParams()] * 3, seeds=[2**40 + 5, -1, 9], pad_rows_to=4)
-    # PRNGKey's threefry words (high, low) of a 64-bit seed; the padding row gets zeros.
-    np.testing.assert_array_equal(t.key_data, [[256, 5], [2**32 - 1, 2**32 - 1], [0, 9], [0, 0]])
-
-
-def test_mismatched_rows_are_refused():
-    with pytest.raises(ValueError, match="3 params, 2 seeds"):
-        make_sampling_tensors([SamplingParams()] * 3, [1, 2], [[]] * 3, [[]] * 3, [EOS], pad_rows_to=4,
-                              vocab_size=VOCAB_SIZE, history_width=HISTORY_WIDTH)
-    with pytest.raises(ValueError, match=r"pad_rows_to \(2\)"):
-        build([SamplingParams()] * 3, pad_rows_to=2)
-    with pytest.raises(ValueError, match="logits have 3 rows, the sampling tensors 4"):
-        sample(np.zeros((3, 10), np.float32), build([SamplingParams()] * 3, pad_rows_to=4))
 
 
 # --- logprobs and compilation -----------------------------------------------------------------------
