@@ -7,60 +7,8 @@ import pytest
 import torch
 
 from conftest import CHAT_PROMPTS, fail_in_xla, fail_on_host, hf_greedy
-from models import load_model
+from engine_cases import GREEDY, STEPS, assert_all_free, finish_all, generate, make_engine, prompts, tiny  # noqa: F401
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
-
-STEPS = 24
-GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_checkpoint):
-    """(our loaded model, the transformers model) for a SmolLM2-shaped tiny checkpoint."""
-    folder, hf_model = tiny_checkpoint("smollm2")
-    return load_model(folder), hf_model
-
-
-def make_engine(tiny, **options) -> LLMEngine:
-    loaded, _ = tiny
-    return LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(**options))
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny):
-    """32 prompts of mixed lengths; half open with one shared 37-token prefix, so caching can hit."""
-    vocab = tiny[0].config.vocab_size
-    rng = np.random.default_rng(0)
-    shared = rng.integers(2, vocab, size=37).tolist()
-    out = []
-    for i, n in enumerate(rng.integers(2, 70, size=32)):
-        own = rng.integers(2, vocab, size=int(n)).tolist()
-        out.append(shared + own if i % 2 else own)
-    return out
-
-
-def generate(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
-
-
-def finish_all(engine: LLMEngine, max_steps: int = 2000) -> dict:
-    """request id -> its finished output, stepping until nothing is left; a stuck engine fails
-    the test rather than hanging it."""
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return done
-        done |= {o.request_id: o for o in engine.step() if o.finished}
-    raise AssertionError(f"requests still unfinished after {max_steps} steps")
-
-
-def assert_all_free(engine: LLMEngine) -> None:
-    """Every block back in the pool once the prefix cache lets go of its own references."""
-    assert not engine.has_unfinished_requests()
-    engine.blocks.reset_prefix_cache()
-    assert engine.blocks.num_free == engine.blocks.num_blocks - 1
-    assert not np.asarray(engine.blocks.pool.refcounts).any()
-
 
 def test_greedy_batch_matches_transformers(tiny, prompts):
     engine = make_engine(tiny, block_size=16, num_blocks=256)
@@ -244,76 +192,6 @@ def test_beam_search_matches_transformers(tiny, prompts):
     assert_all_free(engine)
 
 
-# Issue 8's workload, forks on a pool of 12 blocks: three requests of n = 4 samples whose 40 tokens
-# each need 4 blocks, and a beam search, newest, so its beams are the first to make way.
-FORK_OPTIONS = dict(num_blocks=13, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
-FORK_PARAMS = [SamplingParams(n=4, temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(3)] + [
-    SamplingParams(n=3, use_beam_search=True, temperature=0.0, max_tokens=24, ignore_eos=True)]
-
-
-def generate_forks(engine: LLMEngine, prompts) -> tuple[list, list]:
-    """Each request's completions' token ids, and how often it was preempted."""
-    outputs = LLM.from_engine(engine).generate([p[:20] for p in prompts[6:10]], FORK_PARAMS, use_tqdm=False)
-    return [[c.token_ids for c in o.outputs] for o in outputs], [o.metrics.num_preemptions for o in outputs]
-
-
-# Head-major pages on the full pool, against token-major ones on the roomy pool: copy-on-write block
-# copies and swaps in that layout too.
-@pytest.mark.parametrize("mode, kv_layout", [("recompute", "token_major"), ("swap", "token_major"),
-                                             ("swap", "head_major")])
-def test_forks_preempted_on_a_full_pool_give_the_same_tokens(tiny, prompts, mode, kv_layout):
-    roomy, _ = generate_forks(make_engine(tiny, **FORK_OPTIONS | dict(num_blocks=256)), prompts)
-    engine = make_engine(tiny, **FORK_OPTIONS, preemption_mode=mode, kv_layout=kv_layout)
-    tokens, preemptions = generate_forks(engine, prompts)
-    assert tokens == roomy
-    assert all(len(c) == 40 for samples in tokens[:3] for c in samples)
-    assert all(preemptions), preemptions  # every request lost blocks to the others at least once
-    assert_all_free(engine)
-
-
-def test_n_samples_of_a_prompt_with_nothing_left_to_share_start(tiny, prompts):
-    """A one-token prompt has no shared part to compute before forking, and neither has a prompt
-    whose shared part is all in the prefix cache; both once waited forever at the queue's head."""
-    engine = make_engine(tiny, block_size=8, num_blocks=64)
-    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True)
-    cached = prompts[1][:17]  # 16 shared tokens: two full blocks
-    ids = [engine.add_request(p, params) for p in (prompts[0][:1], cached)]
-    done = finish_all(engine)
-    ids.append(engine.add_request(cached, params))
-    done |= finish_all(engine)
-    assert [len(done[i].outputs) for i in ids] == [2, 2, 2]
-    assert done[ids[2]].outputs[0].token_ids == done[ids[1]].outputs[0].token_ids  # seeded
-    assert_all_free(engine)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_a_beam_search_wider_than_the_pool_gives_the_same_beams(tiny, prompts, mode):
-    """Four beams of 40 tokens need 14 blocks beyond their shared prompt; the pool has 7, so beams
-    that await their siblings make way for them."""
-    params = SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=20, ignore_eos=True)
-    roomy = LLM.from_engine(make_engine(tiny, block_size=8, num_blocks=64)).generate(
-        [prompts[4][:20]], params, use_tqdm=False)[0]
-    engine = make_engine(tiny, block_size=8, num_blocks=8, preemption_mode=mode)
-    request_id = engine.add_request(prompts[4][:20], params)
-    small = finish_all(engine)[request_id]
-    assert [c.token_ids for c in small.outputs] == [c.token_ids for c in roomy.outputs]
-    assert engine.stats().num_preemptions > 0
-    assert_all_free(engine)
-
-
-def test_the_context_length_fits_the_pool(tiny):
-    engine = make_engine(tiny, block_size=8, num_blocks=13)
-    assert engine.resolved.max_model_len == 96  # 12 blocks of 8, below the model's 256
-    with pytest.raises(ValueError, match="max_model_len is 96"):
-        engine.add_request(list(range(2, 102)), GREEDY)
-    with pytest.raises(ValueError, match=r"exceeds what the KV cache holds \(12 blocks of 8\): 96 tokens"):
-        make_engine(tiny, block_size=8, num_blocks=13, max_model_len=100)
-    with pytest.raises(ValueError, match="exceeds max_num_batched_tokens, as chunked prefill is off: 64"):
-        make_engine(tiny, max_model_len=100, max_num_batched_tokens=64, enable_chunked_prefill=False)
-    assert make_engine(tiny, max_num_batched_tokens=64, enable_chunked_prefill=False).resolved.max_model_len == 64
-
-
-# Where a step fails: (object, method) -> what the fault does in its place.
 FAULTS = {
     "scheduling": (lambda engine: engine.scheduler, "schedule", fail_on_host),
     "host": (lambda engine: engine.runner, "execute", fail_on_host),

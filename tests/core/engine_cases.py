@@ -1,0 +1,59 @@
+"""The engine tests' tiny model, prompts and helpers (test_engine.py, test_engine_forks.py); the
+fixtures are imported by name into each test module."""
+
+import numpy as np
+import pytest
+
+from models import load_model
+from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
+
+STEPS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    """(our loaded model, the transformers model) for a SmolLM2-shaped tiny checkpoint."""
+    folder, hf_model = tiny_checkpoint("smollm2")
+    return load_model(folder), hf_model
+
+
+def make_engine(tiny, **options) -> LLMEngine:
+    loaded, _ = tiny
+    return LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(**options))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    """32 prompts of mixed lengths; half open with one shared 37-token prefix, so caching can hit."""
+    vocab = tiny[0].config.vocab_size
+    rng = np.random.default_rng(0)
+    shared = rng.integers(2, vocab, size=37).tolist()
+    out = []
+    for i, n in enumerate(rng.integers(2, 70, size=32)):
+        own = rng.integers(2, vocab, size=int(n)).tolist()
+        out.append(shared + own if i % 2 else own)
+    return out
+
+
+def generate(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
+
+
+def finish_all(engine: LLMEngine, max_steps: int = 2000) -> dict:
+    """request id -> its finished output, stepping until nothing is left; a stuck engine fails
+    the test rather than hanging it."""
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    """Every block back in the pool once the prefix cache lets go of its own references."""
+    assert not engine.has_unfinished_requests()
+    engine.blocks.reset_prefix_cache()
+    assert engine.blocks.num_free == engine.blocks.num_blocks - 1
+    assert not np.asarray(engine.blocks.pool.refcounts).any()
