@@ -11,7 +11,7 @@ import httpx
 
 from conftest import running_server
 from paged_jax import EngineConfig, LLMEngine
-from paged_jax.serving import async_engine
+from paged_jax.serving import engine_loop
 from paged_jax.serving.server import ServerConfig, build_app
 from server_client import metrics, wait_for_idle, wait_until_ready
 
@@ -28,8 +28,8 @@ def make_app(tiny_chat_model):
 
 
 def test_ready_only_after_warm_up_and_early_requests_wait(tiny_chat_model, monkeypatch):
-    release, real = threading.Event(), async_engine.warmup.warm_up
-    monkeypatch.setattr(async_engine.warmup, "warm_up", lambda engine: release.wait(600) and real(engine))
+    release, real = threading.Event(), engine_loop.warmup.warm_up
+    monkeypatch.setattr(engine_loop.warmup, "warm_up", lambda engine: release.wait(600) and real(engine))
     with running_server(make_app(tiny_chat_model)) as base, httpx.Client(base_url=base, timeout=600) as http:
         assert http.get("/health").status_code == 200
         r = http.get("/ready")
