@@ -3,21 +3,9 @@ they give on a roomy pool, and the pool comes back all free."""
 
 import pytest
 
-from engine_cases import GREEDY, assert_all_free, finish_all, make_engine, prompts, tiny  # noqa: F401
-from paged_jax import LLM, LLMEngine, SamplingParams
-
-# Issue 8's workload, forks on a pool of 12 blocks: three requests of n = 4 samples whose 40 tokens
-# each need 4 blocks, and a beam search, newest, so its beams are the first to make way.
-FORK_OPTIONS = dict(num_blocks=13, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
-FORK_PARAMS = [SamplingParams(n=4, temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(3)] + [
-    SamplingParams(n=3, use_beam_search=True, temperature=0.0, max_tokens=24, ignore_eos=True)]
-
-
-def generate_forks(engine: LLMEngine, prompts) -> tuple[list, list]:
-    """Each request's completions' token ids, and how often it was preempted."""
-    outputs = LLM.from_engine(engine).generate([p[:20] for p in prompts[6:10]], FORK_PARAMS, use_tqdm=False)
-    return [[c.token_ids for c in o.outputs] for o in outputs], [o.metrics.num_preemptions for o in outputs]
-
+from engine_cases import (FORK_OPTIONS, GREEDY, assert_all_free, finish_all, generate_forks, make_engine,  # noqa: F401
+                          prompts, tiny)
+from paged_jax import LLM, SamplingParams
 
 # Head-major pages on the full pool, against token-major ones on the roomy pool: copy-on-write block
 # copies and swaps in that layout too.

@@ -9,7 +9,7 @@ import pytest
 from models import load_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 from paged_jax.core import model_runner
-from test_engine import FORK_OPTIONS, generate_forks
+from engine_cases import FORK_OPTIONS, generate_forks
 
 STEPS = 24
 # Greedy with the two logprobs the comparison reads: where the tokens part, how far apart float32's
