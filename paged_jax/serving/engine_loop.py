@@ -190,7 +190,6 @@ class EngineLoop:
 
     def _step(self) -> None:
         start = time.monotonic()
-        device_before = self._engine_stats.device_seconds
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -214,8 +213,6 @@ class EngineLoop:
                 reasons = [c.finish_reason for c in out.outputs]
                 it.finished.append(live.finished("error" if "error" in reasons else reasons[0], now))
         self._post(posts)
-        it.device_time = self.engine.stats().device_seconds - device_before
-        it.host_time = time.monotonic() - start - it.device_time
 
     def _fail_all(self, error: Exception) -> None:
         """The step raised: end every request in flight with the error, and keep serving."""
@@ -265,9 +262,14 @@ class EngineLoop:
         return scheduler_stats(stats, queued)
 
     def _publish(self) -> None:
-        batched_before = self._engine_stats.num_batched_tokens
+        # Counters as differences of the engine's stats, read once an iteration: since the last read,
+        # which _take_commands makes before the step when commands came.
+        before, it = self._engine_stats, self._iteration
         self.scheduler_stats = self._scheduler_stats()
-        self._iteration.num_batched_tokens = self._engine_stats.num_batched_tokens - batched_before
+        it.num_batched_tokens = self._engine_stats.num_batched_tokens - before.num_batched_tokens
+        if it.step_time is not None:
+            it.device_time = self._engine_stats.device_seconds - before.device_seconds
+            it.host_time = it.step_time - it.device_time
         for logger in self._stat_loggers:
             try:
                 logger.record(self.scheduler_stats, self._iteration)

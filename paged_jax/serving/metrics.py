@@ -79,7 +79,7 @@ class PrometheusMetrics(StatLogger):
                                      "samples are on the host.", buckets=_STEP_PART_BUCKETS)
         self.step_host_time = make(Histogram, "engine_step_host_seconds",
                                    "The host's own time in one engine step: scheduling, building the batch, "
-                                   "building the outputs, handing them to the event loop.", buckets=_STEP_PART_BUCKETS)
+                                   "building the outputs.", buckets=_STEP_PART_BUCKETS)
         self.iteration_tokens = make(Histogram, "iteration_tokens_total", "Tokens run through the model per step.",
                                      buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
         make(Gauge, "cache_config_info", "The KV cache's configuration (value 1).",
