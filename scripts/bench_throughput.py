@@ -24,6 +24,7 @@ import argparse
 import json
 import pathlib
 import re
+import sys
 import tempfile
 import time
 from typing import NamedTuple
@@ -189,6 +190,9 @@ def collective_ms_per_step(engine: LLMEngine, requests, params) -> tuple[float, 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.profile and jax.default_backend() != "cpu":
+        # Caught before the workload runs: the profile attributes the host CPU's XLA op events.
+        sys.exit(f"--profile reads XLA's ops on the host CPU; this run would be on {jax.default_backend()}")
     workload, requests, params = workload_requests(args)
     engine = make_engine(args)
     if not args.no_warmup:

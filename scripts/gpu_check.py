@@ -187,6 +187,8 @@ def parse_args(argv=None):
     p.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
                    help="cpu: the Pallas interpreter on the CPU (checks this script, not a GPU)")
     p.add_argument("--quick", action="store_true", help="two kernel cases and the tiny model's tokens only")
+    p.add_argument("--skip-kernel", action="store_true")
+    p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--skip-smollm2", action="store_true")
     p.add_argument("--skip-bandwidth", action="store_true")
     p.add_argument("--skip-w1", action="store_true")
@@ -215,11 +217,13 @@ def run(args) -> list[Result]:
         results.extend(new)
 
     cases = (kernel_testing.CASES[0], kernel_testing.CASES[5]) if args.quick else kernel_testing.CASES
-    with jax.default_device(device):
-        record(check_kernel(cases, interpret=interpret))
-    tiny = lambda: (random_model(TINY_LLAMA), TINY_LLAMA, None)
-    prompts = tiny_prompts(args.tiny_prompts, TINY_LLAMA.vocab_size)
-    record([check_tokens("tokens tiny-llama", tiny, prompts, args.steps, device=device, backend=backend)])
+    if not args.skip_kernel:
+        with jax.default_device(device):
+            record(check_kernel(cases, interpret=interpret))
+    if not args.skip_tiny:
+        tiny = lambda: (random_model(TINY_LLAMA), TINY_LLAMA, None)
+        prompts = tiny_prompts(args.tiny_prompts, TINY_LLAMA.vocab_size)
+        record([check_tokens("tokens tiny-llama", tiny, prompts, args.steps, device=device, backend=backend)])
     if args.quick:
         return results
     if not args.skip_smollm2:

@@ -70,6 +70,9 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
     """Run `requests` (dicts with "prompt_token_ids") with `params` under the profiler; the profile
     as a dict (format_profile prints it). The engine must have run such requests before: a compile
     inside a profiled step would count as its time."""
+    if engine.resolved.platform != "cpu":
+        raise ValueError(f"the step profile attributes XLA's op events on the host CPU; this engine runs on "
+                         f"{engine.resolved.platform} (read jax.profiler's trace in XProf there)")
     runner = engine.runner
     steps: list[_Step] = []
     programs: dict[str, tuple] = {}  # signature -> (module, abstract arguments)
