@@ -231,14 +231,22 @@ def vllm_server(args, folder: pathlib.Path, max_model_len: int):
                     *shlex.split(args.vllm_args)], port, "/health", bench_peers.vllm_env(args.vllm_python))
 
 
+def unseen(requests: list[dict], turn: int) -> list[dict]:
+    """The requests with each prompt rotated left by `turn` tokens: the same lengths and tokens, but
+    prompts that no earlier turn sent, so each rate computes its prompts as the first one did (both
+    servers cache prefixes, and a prompt sent again would skip its prefill)."""
+    return [r | {"prompt_token_ids": r["prompt_token_ids"][turn:] + r["prompt_token_ids"][:turn]} for r in requests]
+
+
 def sweep(system: str, base_url: str, requests: list[dict], args) -> list[dict]:
-    """Every rate against one running server, in order."""
+    """Every rate against one running server, in order, each with prompts of its own (`unseen`)."""
     if args.warmup_requests:
-        asyncio.run(replay(base_url, requests[: args.warmup_requests], float("inf"), args.seed, args.model))
+        warmup = unseen(requests[: args.warmup_requests], len(args.request_rate))
+        asyncio.run(replay(base_url, warmup, float("inf"), args.seed, args.model))
     summaries = []
-    for rate in args.request_rate:
+    for turn, rate in enumerate(args.request_rate):
         compiles = server_compiles(base_url)
-        results, duration = asyncio.run(replay(base_url, requests, rate, args.seed, args.model))
+        results, duration = asyncio.run(replay(base_url, unseen(requests, turn), rate, args.seed, args.model))
         summary = {"system": system, **summarize(results, duration, rate, args.goodput)}
         summary["compiles_so_far"] = server_compiles(base_url)
         summary["compiles_during_run"] = None if compiles is None else summary["compiles_so_far"] - compiles
