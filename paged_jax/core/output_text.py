@@ -54,6 +54,7 @@ class OutputText:
         # The confirmed text from character _base on: what a search or a take may still read.
         self._tail, self._base = "", 0
         self._search_from = 0  # no stop string starts before this character but the one found
+        self._searched_to = 0  # the confirmed text the last search read ends here
         self._sent = 0  # characters handed out by take
         self._cut: int | None = None  # where the text ends, once a stop string was found
 
@@ -69,13 +70,16 @@ class OutputText:
         if found is not None:
             self._cut = self._base + found[0]
             return found[1]
+        self._searched_to = self._confirmed_end
         # A stop string starting before this would lie inside the confirmed text, just searched.
         self._search_from = max(self._search_from, self._confirmed_end - self._lookback)
         self._forget()
         return None
 
     def take(self, finished: bool) -> str:
-        """The text to hand out now, after what take handed out before (sendable)."""
+        """The text to hand out now, after what take handed out before (sendable), and, while there
+        are stop strings, none that no search has read: min_tokens holds the search off, and a stop
+        string found later in that text cuts it."""
         if self._sent < self._base:  # a whole-text sample, handed out only now
             text, offset = self.text, 0
         else:
@@ -83,6 +87,8 @@ class OutputText:
             if self._cut is not None:
                 text = text[: self._cut - offset]
         upto = sendable(text, self._sent - offset, finished, self._stop) + offset
+        if self._stop and not finished:
+            upto = max(self._sent, min(upto, self._searched_to))
         piece = text[self._sent - offset: upto - offset]
         self._sent = upto
         self._forget()

@@ -76,5 +76,9 @@ def test_a_stop_string_cuts_the_text_and_is_never_handed_out(tokenizer):
 
 def test_a_stop_string_before_min_tokens_counts_once_the_search_starts(tokenizer):
     # The engine's rule since before it decoded incrementally: the first occurrence anywhere.
-    _, found, text = run(tokenizer, "one two three four five six", ["two"], search_from=4, incremental=False)
-    assert found == "two" and text == "one "
+    for incremental in (False, True):
+        pieces, found, text = run(tokenizer, "one two three four five six", ["two"], search_from=4,
+                                  incremental=incremental)
+        assert found == "two" and text == "one "
+        # Streamed, nothing the search had not read went out: "two" was never handed out.
+        assert not incremental or "".join(pieces) == "one "
