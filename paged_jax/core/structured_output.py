@@ -67,19 +67,11 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return future
 
-    def warm_up(self) -> None:
-        """Build llguidance's view of the tokenizer now (about a second), not at the first constrained
-        request, where it would add to that request's wait and load the host while steps run."""
-        self._executor.submit(self._tokenizer_for_llguidance).result()
-
-    def _tokenizer_for_llguidance(self) -> llguidance.LLTokenizer:
+    def _compile(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
                                                               eos_token=self._eos_token_ids)
-        return self._ll_tokenizer
-
-    def _compile(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._tokenizer_for_llguidance(), grammars.grammar_text(so), log_level=0)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammars.grammar_text(so), log_level=0)
         if matcher.is_error():
             raise grammars.GrammarError(grammars.explain(so, matcher.get_error()))
         return matcher
@@ -143,10 +135,6 @@ class GrammarGate:
             self.scheduler.add(seq)
         else:
             self._waiting.append((self.compiler.submit(seq.params.structured_outputs), seq))
-
-    def warm_up(self) -> None:
-        if self.compiler is not None:
-            self.compiler.warm_up()
 
     @property
     def request_ids(self) -> set[str]:

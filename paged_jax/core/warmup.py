@@ -2,8 +2,8 @@
 compiles once a server says it is ready.
 
 buckets.py lists the shapes (a few dozen, from the engine's limits); the runner runs each once on
-padding that writes no KV (model_runner.ModelRunner.warm_up), the block manager makes its pool
-calls' programs, and the grammar compiler its view of the tokenizer. Each program is compiled, or loaded from the persistent compilation cache when an
+padding that writes no KV (model_runner.ModelRunner.warm_up), and the block manager makes its pool
+calls' programs. Each program is compiled, or loaded from the persistent compilation cache when an
 earlier run made it: a cold start compiles, a warm one loads.
 
 A server warms up before it reports ready (serving/async_engine.py). The offline `LLM` does not: a
@@ -33,7 +33,6 @@ def warm_up(engine) -> WarmUp:
     start, before, buckets = time.perf_counter(), compiles.count(), engine.resolved.buckets
     engine.runner.warm_up()
     engine.blocks.warm_up()
-    engine.gate.warm_up()
     done = WarmUp(len(buckets.shapes()), 2 * len(buckets.all_sample_rows()), compiles.count() - before,
                   time.perf_counter() - start)
     logger.info("warm-up: %d step shapes and %d sampler shapes; %d programs compiled or loaded from the "

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models import load_model
-from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 from paged_jax.core import compiles, warmup
 
 LIMITS = dict(block_size=8, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)
@@ -83,18 +83,3 @@ def test_warm_up_changes_no_token(tiny):
     warmup.warm_up(warm_engine)
     warm = LLM.from_engine(warm_engine).generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
-
-
-def test_warm_up_builds_the_grammar_compilers_tokenizer(tiny_chat_model, monkeypatch):
-    """So that the first constrained request waits only for its own grammar."""
-    import llguidance.hf
-
-    built = []
-    build = llguidance.hf.from_tokenizer
-    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: built.append(1) or build(*a, **k))
-    m = tiny_chat_model
-    engine = LLMEngine(m.model, m.config, m.tokenizer, EngineConfig(block_size=8, num_blocks=64))
-    warmup.warm_up(engine)
-    assert built == [1]
-    engine.gate.compiler.submit(StructuredOutputsParams(choice=["yes", "no"])).result()
-    assert built == [1]
