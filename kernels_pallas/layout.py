@@ -20,12 +20,14 @@ Everything else reaches the layout through this module: `head_axis` says which a
 heads (models/sharding.py splits it), `index` orders a (block, slot, head, dim)
 index for the layout, `page_dims` reads the four sizes back, `strides` gives the element strides a
 kernel needs, `tokens_first` / `heads_first` turn gathered pages into contiguous K/V, `write_kv`
-scatters new tokens (`set_pages` / `get_pages` index pages of any dtype without converting the pool). The block axis is first in both, so whole-block copies (copy-on-write, swap)
-need not know the layout. `to_jax_layout` converts for comparisons against JAX's own Pallas kernel,
+scatters new tokens (`set_pages` / `get_pages` index pages of any dtype without converting the
+pool). The block axis is first in both, so whole-block copies (copy-on-write, swap) need not know
+the layout. `to_jax_layout` converts for comparisons against JAX's own Pallas kernel,
 whose pages are [num_kv_heads, num_blocks, block_size, head_dim].
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -137,7 +139,44 @@ def write_kv(
     # NumPy's rules put the broadcast (block, slot) axes first even when a slice separates them.
     block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     at = index(layout, block, slot_mapping % block_size, slice(None), slice(None))
-    return set_pages(k_pages, at, k), set_pages(v_pages, at, v)
+    scatter = lambda k_pages, v_pages: (_scatter(k_pages, at, k), _scatter(v_pages, at, v))
+    if k_pages.dtype == jnp.bfloat16:
+        # Imported here: the kernel module imports this one.
+        from kernels_pallas.cpu import kernel as cpu_kernel
+
+        if cpu_kernel.available():  # XLA's CPU scatter would convert the whole pool (kv_write.cc)
+            write = functools.partial(cpu_kernel.write_kv_cpu, slot_mapping=slot_mapping, k=k, v=v, layout=layout)
+            return jax.lax.platform_dependent(k_pages, v_pages, cpu=write, default=scatter)
+    return scatter(k_pages, v_pages)
+
+
+def _scatter(pages: jax.Array, at, values: jax.Array) -> jax.Array:
+    return pages.at[at].set(values.astype(pages.dtype), mode="drop")
+
+
+def set_pages(pages: jax.Array, at, values: jax.Array) -> jax.Array:
+    """pages.at[at].set(values, mode="drop"), values cast to the pages' dtype: for block copies and swaps.
+
+    On the CPU, 16-bit float pages (a bfloat16 cache) are scattered into as 16-bit integers: XLA's
+    CPU backend runs a scatter over 16-bit floats in float32, converting the whole operand, a layer's
+    page pool, there and back at every call. Through the bits it still copies the pool twice (a
+    bitcast-convert is a loop there), which block copies and swaps, being rare, can afford."""
+    if not _is_16_bit_float(pages):
+        return _scatter(pages, at, values)
+
+    def through_bits(pages, values):
+        written = _bits(pages).at[at].set(_bits(values.astype(pages.dtype)), mode="drop")
+        return jax.lax.bitcast_convert_type(written, pages.dtype)
+
+    return jax.lax.platform_dependent(pages, values, cpu=through_bits, default=lambda p, v: _scatter(p, at, v))
+
+
+def get_pages(pages: jax.Array, at) -> jax.Array:
+    """pages[at], on the CPU without converting the whole pool first (see set_pages)."""
+    if not _is_16_bit_float(pages):
+        return pages[at]
+    return jax.lax.platform_dependent(
+        pages, cpu=lambda p: jax.lax.bitcast_convert_type(_bits(p)[at], p.dtype), default=lambda p: p[at])
 
 
 def _is_16_bit_float(pages: jax.Array) -> bool:
@@ -146,25 +185,6 @@ def _is_16_bit_float(pages: jax.Array) -> bool:
 
 def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.uint16)
-
-
-def set_pages(pages: jax.Array, index, values: jax.Array) -> jax.Array:
-    """pages.at[index].set(values, mode="drop"), values cast to the pages' dtype (rounded to nearest).
-
-    16-bit float pages (a bfloat16 cache) are scattered into as 16-bit integers, a free bitcast:
-    XLA's CPU backend runs a scatter over 16-bit floats in float32, converting its whole operand, a
-    layer's page pool, there and back at every call (gigabytes a step, for a few tokens written)."""
-    if not _is_16_bit_float(pages):
-        return pages.at[index].set(values.astype(pages.dtype), mode="drop")
-    written = _bits(pages).at[index].set(_bits(values.astype(pages.dtype)), mode="drop")
-    return jax.lax.bitcast_convert_type(written, pages.dtype)
-
-
-def get_pages(pages: jax.Array, index) -> jax.Array:
-    """pages[index], without converting the whole pool first (see set_pages)."""
-    if not _is_16_bit_float(pages):
-        return pages[index]
-    return jax.lax.bitcast_convert_type(_bits(pages)[index], pages.dtype)
 
 
 def tokens_first(pages: jax.Array, layout: str) -> jax.Array:

@@ -23,9 +23,9 @@ match before the first difference (float32 rounding may part two systems on a ne
 --min-agreement the script fails, so a fast wrong answer cannot win.
 
 --precisions kv-bf16,int8 adds paged-jax rows at lower precisions (a bfloat16 KV cache under float32
-weights; int8 weights with activations quantized per token), run in every round beside the float32 one, with its ratio to each peer and its greedy-token
-agreement with paged-jax's float32 (same --min-agreement); its accuracy cost is measured by
-scripts/eval_precision.py.
+weights; int8 weights with activations quantized per token), run in every round beside the float32
+one, with their ratios to each peer and their greedy-token agreement with paged-jax's float32 (same
+--min-agreement); scripts/eval_precision.py measures their accuracy cost.
 
 --profile then runs the workload once more under the JAX profiler and prints the step profile
 (paged_jax/research/step_profile.py).

@@ -100,7 +100,8 @@ def time_w1(args) -> list[dict]:
 
 
 def markdown(attention_rows, w1_rows, rounds) -> str:
-    lines = [machine.one_line(machine.describe()), "", f"Attention, one layer, ms (min / median of {5 * rounds} calls; head-major / token-major of the medians)",
+    lines = [machine.one_line(machine.describe()), "",
+             f"Attention, one layer, ms (min / median of {5 * rounds} calls; head-major / token-major of the medians)",
              "", "| step | block size | backend | token-major | head-major | ratio |", "|---|---|---|---|---|---|"]
     cell = {(r["step"], r["block_size"], r["backend"], r["layout"]): r for r in attention_rows}
     for step, block_size, backend in dict.fromkeys((r["step"], r["block_size"], r["backend"]) for r in attention_rows):

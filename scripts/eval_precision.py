@@ -108,7 +108,8 @@ def main(argv=None) -> dict:
         else:
             row["perplexity_change_pct"] = round(100 * (row["perplexity"] / base - 1), 3)
             row["greedy"] = compare(outputs, reference, args.steps)
-        row["kv_cache_dtype"], row["attention_backend"] = engine.resolved.kv_cache_dtype, engine.resolved.attention_backend
+        row |= {"kv_cache_dtype": engine.resolved.kv_cache_dtype,
+                "attention_backend": engine.resolved.attention_backend}
         figures["rows"][name] = row
         print(f"{name:>10}: perplexity {row['perplexity']:.4f}"
               + (f" ({row['perplexity_change_pct']:+.3f}% against float32); greedy: {row['greedy']['identical']} of "

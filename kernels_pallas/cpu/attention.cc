@@ -283,7 +283,8 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
 }
 
 template <typename KV>
-using DecodeFn = void (*)(const Shapes&, const float*, const KV*, const KV*, const int32_t*, int, int64_t, float, float*);
+using DecodeFn = void (*)(const Shapes&, const float*, const KV*, const KV*, const int32_t*, int, int64_t, float,
+                          float*);
 
 // AttendDecode for this shape, or nullptr where it does not apply (AttendRows serves every shape).
 template <typename KV>

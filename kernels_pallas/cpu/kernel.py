@@ -26,12 +26,13 @@ import numpy as np
 from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
 
 _HERE = Path(__file__).parent
-_SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc", "linear_int8.cc"))
+_SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc", "linear_int8.cc", "kv_write.cc"))
 _HEADERS = (_HERE / "common.h",)
 _TARGET = "paged_jax_paged_attention_cpu"
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the attention kernel reads
 _LINEAR = "paged_jax_linear_cpu_f32"
 _LINEAR_INT8 = "paged_jax_linear_cpu_int8"
+_WRITE_KV = "paged_jax_write_kv_cpu_bf16"
 PANEL = 16  # columns per panel of a packed weight (linear.cc's kPanel)
 INT8_GROUP = 4  # k values a dot-product lane sums (linear_int8.cc's kGroup)
 _UNWRITTEN = "paged_jax_unwritten_buffer"
@@ -102,6 +103,7 @@ def build_error() -> str | None:
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpu), platform="cpu")
     jax.ffi.register_ffi_target(_LINEAR, jax.ffi.pycapsule(library.LinearCpuF32), platform="cpu")
     jax.ffi.register_ffi_target(_LINEAR_INT8, jax.ffi.pycapsule(library.LinearCpuInt8), platform="cpu")
+    jax.ffi.register_ffi_target(_WRITE_KV, jax.ffi.pycapsule(library.WriteKvCpuBf16), platform="cpu")
     jax.ffi.register_ffi_target(_UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")
     return None
 
@@ -165,6 +167,22 @@ def paged_attention_cpu(
     return call(*args, scale=np.float32(scale), **layout_attributes(k_pages, layout))
 
 
+def write_kv_cpu(k_pages: jax.Array, v_pages: jax.Array, *, slot_mapping: jax.Array, k: jax.Array, v: jax.Array,
+                 layout: str = TOKEN_MAJOR) -> tuple[jax.Array, jax.Array]:
+    """layout.write_kv for bfloat16 pages on the CPU (kv_write.cc): the step's rows rounded to
+    bfloat16 in place, the results aliasing the pages (donate them), nothing else of the pool touched.
+
+    k_pages, v_pages: bf16 pages in `layout`; slot_mapping: int32 [num_tokens], negative = padding;
+    k, v: [num_tokens, num_kv_heads, head_dim], any float dtype (written from float32).
+    """
+    attributes = layout_attributes(k_pages, layout)
+    del attributes["num_kv_heads"]  # k's shape says it
+    pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
+    call = jax.ffi.ffi_call(_WRITE_KV, (pages, pages), input_output_aliases={3: 0, 4: 1})
+    return tuple(call(k.astype(jnp.float32), v.astype(jnp.float32), slot_mapping.astype(jnp.int32), k_pages, v_pages,
+                      **attributes))
+
+
 def pack_columns(w: jax.Array) -> jax.Array:
     """w: f32 [K, N] -> [ceil(N / PANEL), K, PANEL]: column panels for linear_cpu, the last one padded
     with zero columns. Done once per weight, when the model is loaded."""
@@ -226,5 +244,6 @@ def linear_int8_cpu(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     if not available():
         raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
     if x.dtype != np.float32 or packed.dtype != np.int8:
-        raise ValueError(f"the int8 linear kernel takes float32 x and a pack_int8 weight, got {x.dtype} and {packed.dtype}")
+        raise ValueError(f"the int8 linear kernel takes float32 x and a pack_int8 weight, got {x.dtype} and "
+                         f"{packed.dtype}")
     return jax.ffi.ffi_call(_LINEAR_INT8, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed)

@@ -131,7 +131,8 @@ class ModelRunner:
         else:
             allocate = functools.partial(jnp.zeros, device=sharding.pages_sharding(self.mesh, self.resolved.kv_layout))
         return init_kv_cache(self.model_config.num_layers, self.resolved.num_blocks, self.resolved.block_size,
-                             self.model_config.num_kv_heads, self.model_config.head_dim, jnp.dtype(self.resolved.kv_cache_dtype),
+                             self.model_config.num_kv_heads, self.model_config.head_dim,
+                             jnp.dtype(self.resolved.kv_cache_dtype),
                              layout=self.resolved.kv_layout, allocate=allocate)
 
     def restore_kv_cache(self) -> bool:

@@ -65,9 +65,10 @@ def test_greedy_tokens_agree_with_float32_but_at_near_ties(tiny, prompts, float3
     assert engine.blocks.num_free == engine.blocks.num_blocks - 1
 
 
-def test_no_step_converts_a_bfloat16_page_pool_to_float32(tiny, prompts):
+def test_no_step_converts_or_copies_a_bfloat16_page_pool(tiny, prompts):
     """XLA's CPU backend would run a scatter or gather over bfloat16 pages in float32, converting the
-    whole pool there and back every step (layout.set_pages goes through 16-bit integers instead)."""
+    whole pool there and back every step: the step writes K/V through the C++ kernel instead, in place
+    (no other array of the pool's shape), and block copies go through 16-bit integers."""
     engine = LLMEngine(tiny.model, tiny.config, tiny.tokenizer, EngineConfig(**SMALL, kv_cache_dtype="bfloat16",
                                                                              block_size=16))
     engine.add_request(prompts[0], PARAMS)
@@ -80,6 +81,7 @@ def test_no_step_converts_a_bfloat16_page_pool_to_float32(tiny, prompts):
     for name, lowered in programs.items():
         text = lowered.compile().as_text()
         assert f"bf16[{pool}]" in text and f"f32[{pool}]" not in text, name
+    assert f"u16[{pool}]" not in programs["step"].compile().as_text()
     engine.abort_request("0")
 
 

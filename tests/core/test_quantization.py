@@ -33,7 +33,8 @@ def test_int8_weights_give_the_first_tokens_of_float32_within_int8s_error(tiny):
     layer = engine.runner.state["layers"][0]
     assert {layer["attn"]["qkv"].dtype, layer["mlp"]["down"].dtype} == {jnp.dtype(jnp.int8)}
     assert engine.runner.state["embed"].dtype == jnp.float32  # the lm_head (tied) stays float32
-    gaps = [abs(a.logprobs[0][t] - b.logprobs[0][t]) for a, b in zip(int8, full) for t in b.logprobs[0] if t in a.logprobs[0]]
+    gaps = [abs(a.logprobs[0][t] - b.logprobs[0][t])
+            for a, b in zip(int8, full) for t in b.logprobs[0] if t in a.logprobs[0]]
     assert np.mean(gaps) < 0.08 and max(gaps) < 0.3
     assert sum(a.token_ids == b.token_ids for a, b in zip(int8, full)) >= len(prompts) - 2
     engine.blocks.reset_prefix_cache()

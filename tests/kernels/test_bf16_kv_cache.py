@@ -91,17 +91,21 @@ def test_mixed_or_other_page_dtypes_are_refused():
 
 @pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
 def test_write_kv_rounds_to_the_nearest_bfloat16(kv_layout):
-    """As ml_dtypes rounds (to nearest, ties to even), into the slots the mapping names and nowhere else."""
+    """As ml_dtypes rounds (to nearest, ties to even; subnormals, infinities and NaN included), into
+    the slots the mapping names and nowhere else (on the CPU, the C++ kernel writes them in place)."""
     rng = np.random.default_rng(3)
     shape = layout.page_shape(4, 8, 2, 16, kv_layout)
-    k = rng.standard_normal((5, 2, 16)).astype(np.float32)
-    slots = np.array([3, 9, -1, 31, 17], np.int32)
+    k = rng.standard_normal((6, 2, 16)).astype(np.float32)
+    ties = np.array([0x3F808000, 0x3F818000, 0x00008000, 0x00018000], np.uint32).view(np.float32)  # halfway cases
+    k[0, 0, :8] = [*ties, 1e-40, -3e-39, np.inf, np.nan]
+    slots = np.array([3, 9, -1, 31, 17, 4 * 8 + 2], np.int32)  # padding, and a slot past the pool: dropped
     pages = jnp.zeros(shape, jnp.bfloat16)
     k_pages, v_pages = layout.write_kv(pages, pages, jnp.asarray(slots), jnp.asarray(k), jnp.asarray(-k), kv_layout)
     assert k_pages.dtype == v_pages.dtype == jnp.bfloat16
-    written = slots >= 0
+    written = (slots >= 0) & (slots < 4 * 8)
     at = layout.index(kv_layout, slots[written] // 8, slots[written] % 8, slice(None), slice(None))
     expected = k[written].astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(np.asarray(k_pages)[at], expected)
-    np.testing.assert_array_equal(np.asarray(v_pages)[at], -expected)
+    np.testing.assert_array_equal(np.asarray(k_pages)[at].view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(v_pages)[at].view(np.uint16),
+                                  (-k[written]).astype(ml_dtypes.bfloat16).view(np.uint16))
     assert np.count_nonzero(np.asarray(k_pages, np.float32)) == np.count_nonzero(expected)

@@ -13,7 +13,7 @@ Vendor ID:                            GenuineIntel
 Model name:                           Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
 CPU family:                           6
 Model:                                143
-Flags:                                fpu sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+Flags:          fpu sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
 """
 
 # Two cores of an ARM server's /proc/cpuinfo: no model name, "Features" for flags.
