@@ -5,8 +5,11 @@ A step is two jitted calls (model_runner.py): the model over the step's flat bat
 the head (final norm, lm_head) and the sampler over the rows that sample. Their static sizes, and why
 each is what it is:
 
-- T, the batch's tokens: a power of two from MIN_TOKENS up to max_num_batched_tokens' bucket. The
-  model's matmuls run on every padded token, so this one follows the traffic.
+- T, the batch's tokens, from MIN_TOKENS up to max_num_batched_tokens' bucket. The model's matmuls
+  run on every padded token, so this one follows the traffic: a fine bucket (powers of two and the
+  midpoints between them, a third of a step at most is padding rather than half of it) where Q does
+  not multiply the shapes (the CPU and XLA kernels), powers of two for the Pallas kernel, whose every
+  T brings one shape per Q below it, and whose GPU step is bound by its host work more than by T.
 - attention rows (block-table rows, seq_lens): min(T, max_num_seqs). Every scheduled sequence has a
   token, so never more than T: derived from T, no size of its own; the kernels skip empty rows.
 - block-table width: always max_blocks_per_seq, the longest context's blocks (a few KB a step); the
@@ -74,9 +77,21 @@ class StepBuckets:
         """Rows the model call hands the head: the most sequences a step can sample."""
         return min(self.max_num_seqs, self.max_num_batched_tokens)
 
+    @property
+    def _fine_tokens(self) -> bool:
+        return _QUERY_LEN.get(self.attention_backend, "bucketed") != "bucketed"
+
+    def token_bucket(self, num_tokens: int) -> int:
+        """T for a step of num_tokens new tokens."""
+        n = max(num_tokens, MIN_TOKENS)
+        return fine_bucket(n) if self._fine_tokens else bucket(n)
+
     def token_buckets(self) -> list[int]:
-        return [1 << k for k in range(MIN_TOKENS.bit_length() - 1, bucket(self.max_num_batched_tokens,
-                                                                               MIN_TOKENS).bit_length())]
+        top = self.token_bucket(self.max_num_batched_tokens)
+        powers = [1 << k for k in range(MIN_TOKENS.bit_length() - 1, top.bit_length())]
+        if self._fine_tokens:
+            powers += [p * 3 // 2 for p in powers]
+        return sorted(t for t in set(powers) if t <= top)
 
     def query_lens(self, num_tokens: int) -> list[int]:
         """Every Q a step of T = num_tokens can have: the first for decode-only steps."""
@@ -92,7 +107,7 @@ class StepBuckets:
         if num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"a step of {num_tokens} tokens is over max_num_batched_tokens "
                              f"({self.max_num_batched_tokens})")
-        T = bucket(num_tokens, MIN_TOKENS)
+        T = self.token_bucket(num_tokens)
         options = self.query_lens(T)
         # The smallest bound that holds: 1 only for a decode-only step.
         Q = next((q for q in options if q >= max_new_tokens), T)

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.core import model_runner
-from paged_jax.core.buckets import MIN_TOKENS, bucket
 from paged_jax.research import hlo_parts, machine_peaks, trace_ops
 
 PARTS = ("matmul", "attention", "kv_write", "other", "host")
@@ -94,7 +93,8 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
         contexts = [s.seq.num_computed_tokens + n for s, n in zip(scheduled, new)]
         prefill = max(new) > 1
         pairs = sum(c * n - n * (n - 1) // 2 for c, n in zip(contexts, new))
-        group = bucket(sum(new), MIN_TOKENS) if prefill else runner.resolved.buckets.sample_rows(len(scheduled))
+        buckets = runner.resolved.buckets
+        group = buckets.token_bucket(sum(new)) if prefill else buckets.sample_rows(len(scheduled))
         steps.append(_Step("prefill" if prefill else "decode", group, sum(new), len(scheduled), sum(contexts),
                            pairs, {"jit_step": key, "jit_sample_step": sample_key}))
 
