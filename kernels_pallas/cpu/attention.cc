@@ -320,7 +320,7 @@ void AttendItems(ffi::ThreadPool& pool, const Shapes& sh, const std::vector<Work
                  starts[w.seq + 1] - starts[w.seq], w, scale, out);
     }
   };
-  paged_jax::RunShared(pool, (int64_t)items.size(), work);
+  paged_jax::RunShared(pool, (int64_t)items.size(), work, sh.num_tokens);
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
@@ -400,3 +400,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpu, PagedAttention,
 // time at start-up nor memory until it is used. Pages are never trusted (the kernels mask by length).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UnwrittenBuffer, [](ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); },
                               ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
+
+// Whether calls of few rows use the helpers (common.h); for comparing the two in one process.
+extern "C" void PagedJaxCpuHelpers(int on) { paged_jax::helpers_on.store(on != 0); }

@@ -1,15 +1,19 @@
 // What the CPU kernels share: the vector type their inner loops use, and sharing one call's work out
-// over XLA's intra-op thread pool (the FFI's ThreadPool).
+// over threads (XLA's intra-op pool, or helpers of their own for short calls).
 
 #ifndef PAGED_JAX_CPU_COMMON_H_
 #define PAGED_JAX_CPU_COMMON_H_
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -47,7 +51,8 @@ inline float Sum(Vec v) {
   return sum;
 }
 
-// The helpers of one kernel call: those that enter before close_and_wait run, and it waits for them.
+// The pool threads of one kernel call: those that enter before close_and_wait run, and it waits for
+// them.
 class Join {
  public:
   bool enter() {
@@ -73,18 +78,136 @@ class Join {
   bool closed_ = false;
 };
 
-// Runs work() on the calling thread and on up to num_items - 1 pool threads; work() takes items from
-// a counter of its own until none are left, so every copy may run or not.
+// Threads of the kernels' own, which stay awake between calls. XLA's pool wakes a sleeping thread for
+// each call, and a small step's calls are too short for that: at 16 rows a matmul reads its weight in
+// 30 to 100 µs, and the woken thread came too late to take much of it, so two threads read weights
+// hardly faster than one. These helpers spin for kSpin after each call, yielding the core to any
+// thread that wants it, so the next call of a step finds them ready; then they sleep, and an idle
+// engine costs nothing. Only calls of few rows (kFewRows) use them: for larger ones XLA's pool was
+// as fast or faster (scripts/measure_step_time.py --compare-helpers).
+class Helpers {
+ public:
+  // Longer than the gaps between a step's calls; a step's first call wakes them.
+  static constexpr auto kSpin = std::chrono::microseconds(300);
+
+  // One call's work, posted to helpers: fn(ctx) on each that takes it. `pending` counts the posts
+  // neither finished nor withdrawn.
+  struct Task {
+    void (*fn)(void*);
+    void* ctx;
+    std::atomic<int> pending{0};
+  };
+
+  // The process's helpers: one fewer than its cores (the calling thread is the other). Never freed,
+  // so that no exit waits on them.
+  static Helpers& Get() {
+    static Helpers* helpers = new Helpers((int)std::max(1u, std::thread::hardware_concurrency()) - 1);
+    return *helpers;
+  }
+
+  int size() const { return (int)slots_.size(); }
+
+  // Posts the task to helper h if it is free (not working on another call's); true if posted.
+  bool Post(int h, Task* task) {
+    Slot& slot = *slots_[h];
+    task->pending.fetch_add(1);  // before the helper can see it, and so finish it
+    Task* free = nullptr;
+    if (!slot.task.compare_exchange_strong(free, task)) {
+      task->pending.fetch_sub(1);
+      return false;
+    }
+    if (slot.sleeping.load()) {
+      std::lock_guard<std::mutex> lock(slot.mu);  // so that the notice cannot fall between its check and its wait
+      slot.wake.notify_one();
+    }
+    return true;
+  }
+
+  // Takes the task back from helper h unless it has started on it.
+  void Withdraw(int h, Task* task) {
+    Task* posted = task;
+    if (slots_[h]->task.compare_exchange_strong(posted, nullptr)) task->pending.fetch_sub(1);
+  }
+
+ private:
+  struct Slot {
+    std::atomic<Task*> task{nullptr};  // nullptr: free; Busy(): working on a task
+    std::atomic<bool> sleeping{false};
+    std::mutex mu;
+    std::condition_variable wake;
+  };
+  static Task* Busy() { return reinterpret_cast<Task*>(alignof(Task)); }  // never a Task's address
+
+  explicit Helpers(int n) {
+    for (int h = 0; h < n; ++h) {
+      slots_.push_back(std::make_unique<Slot>());
+      std::thread([slot = slots_.back().get()] { Serve(*slot); }).detach();
+    }
+  }
+
+  static void Serve(Slot& slot) {
+    for (;;) {
+      Task* task = Await(slot);
+      if (!slot.task.compare_exchange_strong(task, Busy())) continue;  // withdrawn meanwhile
+      task->fn(task->ctx);
+      slot.task.store(nullptr);
+      task->pending.fetch_sub(1);  // the last touch: its caller may return now
+    }
+  }
+
+  static Task* Await(Slot& slot) {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    do {
+      for (int i = 0; i < 64; ++i) {
+        if (Task* task = slot.task.load(); task != nullptr && task != Busy()) return task;
+        std::this_thread::yield();
+      }
+    } while (std::chrono::steady_clock::now() < until);
+    std::unique_lock<std::mutex> lock(slot.mu);
+    slot.sleeping.store(true);
+    slot.wake.wait(lock, [&] { return slot.task.load() != nullptr; });
+    slot.sleeping.store(false);
+    return slot.task.load();
+  }
+
+  std::vector<std::unique_ptr<Slot>> slots_;
+};
+
+// Calls of at most this many rows (a matmul's M, attention's tokens) go to the helpers: they stream
+// memory and are short. On the 2-core AMD EPYC (Zen 5), against XLA's pool in one process: decode
+// steps of 16 to 24 tokens 8 to 17% faster, steps of 32 tokens and more (matmuls there compute more
+// than they read) no faster, and slower where one step mixed the two kinds of call.
+constexpr int64_t kFewRows = 24;
+
+// Off: every call shares its work over XLA's pool, as before the helpers (for comparing the two in
+// one process: SetHelpers, below).
+inline std::atomic<bool> helpers_on{true};
+
+// Runs work() on the calling thread and on up to num_items - 1 other threads (no more than XLA's pool
+// has): the helpers for a call of few rows, else XLA's pool. work() takes items from a counter of its
+// own until none are left, so every copy may run or not.
 //
-// Waits only for the helpers that started before the work ran out, never for one still queued: the
-// pool may be busy with calls like this one (several devices of one host, each on a pool thread),
-// each of which would otherwise wait for helpers queued behind the others, for ever. A helper that
-// starts late touches nothing but the shared `join`, which outlives this call.
+// Waits only for threads that started before the work ran out, never for one still queued: the pool
+// may be busy with calls like this one (several devices of one host, each on a pool thread), each of
+// which would otherwise wait for helpers queued behind the others, for ever. So a pool thread that
+// starts late touches nothing but the shared `join`, which outlives this call; a helper that has not
+// started is withdrawn, and one busy with another call is passed over.
 template <typename Work>
-void RunShared(xla::ffi::ThreadPool& pool, int64_t num_items, Work& work) {
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), num_items - 1));
+void RunShared(xla::ffi::ThreadPool& pool, int64_t num_items, Work& work, int64_t rows) {
+  const int64_t others = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), num_items - 1));
+  if (rows <= kFewRows && helpers_on.load()) {
+    Helpers& helpers = Helpers::Get();
+    Helpers::Task task{[](void* ctx) { (*static_cast<Work*>(ctx))(); }, &work};
+    std::vector<int> posted;
+    for (int h = 0; h < helpers.size() && (int64_t)posted.size() < others; ++h)
+      if (helpers.Post(h, &task)) posted.push_back(h);
+    work();
+    for (int h : posted) helpers.Withdraw(h, &task);
+    while (task.pending.load() != 0) std::this_thread::yield();
+    return;
+  }
   auto join = std::make_shared<Join>();
-  for (int64_t t = 0; t < helpers; ++t)
+  for (int64_t t = 0; t < others; ++t)
     pool.Schedule([join, &work] {
       if (!join->enter()) return;
       work();

@@ -94,8 +94,9 @@ def build_error() -> str | None:
     for path in _SOURCES + _HEADERS:
         if not path.exists():
             return f"its source {path.name} is not installed beside kernels_pallas/cpu/{Path(__file__).name}"
+    global _library
     try:
-        library = ctypes.cdll.LoadLibrary(str(_build()))
+        library = _library = ctypes.cdll.LoadLibrary(str(_build()))
     except subprocess.CalledProcessError as e:
         return f"building the CPU kernels failed: {(e.stderr or '').strip()[-500:]}"
     except (OSError, RuntimeError) as e:
@@ -106,6 +107,18 @@ def build_error() -> str | None:
     jax.ffi.register_ffi_target(_WRITE_KV, jax.ffi.pycapsule(library.WriteKvCpuBf16), platform="cpu")
     jax.ffi.register_ffi_target(_UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")
     return None
+
+
+_library = None
+
+
+def use_helpers(on: bool) -> None:
+    """Whether kernel calls of few rows share their work with the library's own threads, which stay
+    awake between calls (common.h: Helpers; the default), or with XLA's pool, as all larger calls do.
+    For comparing the two in one process (scripts/measure_step_time.py --compare-helpers)."""
+    if not available():
+        raise RuntimeError("the CPU kernel library could not be built")
+    _library.PagedJaxCpuHelpers(int(on))
 
 
 def available() -> bool:

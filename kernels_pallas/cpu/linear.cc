@@ -121,7 +121,7 @@ ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
       }
     }
   };
-  paged_jax::RunShared(pool, items, work);
+  paged_jax::RunShared(pool, items, work, M);
   return ffi::Error::Success();
 }
 

@@ -150,7 +150,7 @@ ffi::Error LinearInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   auto quantize = [&] {
     for (int64_t m; (m = next_row.fetch_add(1)) < M;) rc[m] = QuantizeRow(xs + m * K, K, K4, &xq[m * ldq]);
   };
-  paged_jax::RunShared(pool, M, quantize);
+  paged_jax::RunShared(pool, M, quantize, M);
 
   const int64_t items = (P + kTilePanels - 1) / kTilePanels, panel_bytes = (K4 + 2) * kRowBytes;
   const int64_t tiles = (M + kRows - 1) / kRows;
@@ -168,7 +168,7 @@ ffi::Error LinearInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       }
     }
   };
-  paged_jax::RunShared(pool, items, work);
+  paged_jax::RunShared(pool, items, work, M);
   return ffi::Error::Success();
 }
 

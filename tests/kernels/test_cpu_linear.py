@@ -52,3 +52,35 @@ def test_shapes_that_disagree_are_an_error_not_a_crash():
         jax.block_until_ready(cpu_kernel.linear_cpu(jnp.ones((2, 5), jnp.float32), packed, 40))
     with pytest.raises(Exception, match="disagree"):
         jax.block_until_ready(cpu_kernel.linear_cpu(jnp.ones((2, 4), jnp.float32), packed, 60))
+
+
+@pytest.mark.parametrize("rows", (1, 16, 24, 25, 64))
+def test_helper_threads_and_xla_pool_give_the_same_bits(rows):
+    """Calls of few rows share their work with the library's own threads, larger ones with XLA's pool
+    (common.h): who computes an item must not change a bit of it."""
+    x, w = _random((rows, 576), 1), _random((576, 960), 2)
+    linear = jax.jit(cpu_kernel.linear_cpu, static_argnames="n")
+    args = (jnp.asarray(x), cpu_kernel.pack_columns(jnp.asarray(w)))
+    try:
+        cpu_kernel.use_helpers(False)
+        pooled = np.asarray(linear(*args, n=960))
+    finally:
+        cpu_kernel.use_helpers(True)
+    np.testing.assert_array_equal(np.asarray(linear(*args, n=960)), pooled)
+    np.testing.assert_allclose(pooled, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
+
+
+def test_concurrent_calls_share_the_helpers():
+    """Calls from several threads at once (devices of one host do this): a helper busy with one call is
+    passed over by the others, a posted one withdrawn if its caller finishes first; each result is
+    right, and none waits for ever."""
+    import concurrent.futures
+
+    w = _random((576, 1536), 3)
+    packed = cpu_kernel.pack_columns(jnp.asarray(w))
+    linear = jax.jit(cpu_kernel.linear_cpu, static_argnames="n")
+    xs = [_random((rows, 576), 10 + rows) for rows in (1, 3, 8, 16, 24) * 4]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda x: np.asarray(linear(jnp.asarray(x), packed, n=1536)), xs))
+    for x, out in zip(xs, outs):
+        np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
