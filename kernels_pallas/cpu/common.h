@@ -155,19 +155,22 @@ class Helpers {
     }
   }
 
+  // The next task posted to this helper: never nullptr or Busy(), though its caller may still
+  // withdraw it before the helper marks it taken.
   static Task* Await(Slot& slot) {
-    const auto until = std::chrono::steady_clock::now() + kSpin;
-    do {
-      for (int i = 0; i < 64; ++i) {
-        if (Task* task = slot.task.load(); task != nullptr && task != Busy()) return task;
-        std::this_thread::yield();
-      }
-    } while (std::chrono::steady_clock::now() < until);
-    std::unique_lock<std::mutex> lock(slot.mu);
-    slot.sleeping.store(true);
-    slot.wake.wait(lock, [&] { return slot.task.load() != nullptr; });
-    slot.sleeping.store(false);
-    return slot.task.load();
+    for (;;) {
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      do {
+        for (int i = 0; i < 64; ++i) {
+          if (Task* task = slot.task.load(); task != nullptr && task != Busy()) return task;
+          std::this_thread::yield();
+        }
+      } while (std::chrono::steady_clock::now() < until);
+      std::unique_lock<std::mutex> lock(slot.mu);
+      slot.sleeping.store(true);
+      slot.wake.wait(lock, [&] { return slot.task.load() != nullptr; });
+      slot.sleeping.store(false);
+    }
   }
 
   std::vector<std::unique_ptr<Slot>> slots_;

@@ -84,3 +84,18 @@ def test_concurrent_calls_share_the_helpers():
         outs = list(pool.map(lambda x: np.asarray(linear(jnp.asarray(x), packed, n=1536)), xs))
     for x, out in zip(xs, outs):
         np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
+
+
+def test_tiny_calls_between_sleeps():
+    """Calls far shorter than a helper's waking, each after the helpers went back to sleep (300 µs of
+    spinning): most are withdrawn from a helper still waking, which must then neither run a task
+    that is gone nor miss the next one (a helper once took a withdrawn slot's nullptr for a task)."""
+    import time
+
+    x, w = _random((1, 16), 4), _random((16, 64), 5)
+    args = (jnp.asarray(x), cpu_kernel.pack_columns(jnp.asarray(w)))
+    linear = jax.jit(cpu_kernel.linear_cpu, static_argnames="n")
+    want = x.astype(np.float64) @ w
+    for i in range(1500):
+        np.testing.assert_allclose(np.asarray(linear(*args, n=64)), want, rtol=1e-5, atol=1e-5)
+        time.sleep(0.0002 * (i % 4))  # below and above the helpers' spin
