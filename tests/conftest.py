@@ -4,6 +4,7 @@ in a thread on a free localhost port, and faults (or slowness) to inject into an
 
 import contextlib
 import functools
+import gc
 import socket
 import threading
 import time
@@ -35,6 +36,18 @@ TINY_ARCHS = {
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_TINY)),  # biases on q/k/v
     "smollm2": (LlamaForCausalLM, lambda: LlamaConfig(**_TINY, tie_word_embeddings=True, rope_theta=100000.0)),
 }
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """After each test module, the programs its engines compiled are let go. XLA maps each compiled
+    program's code into memory of its own, and a whole run's programs held at once went past Linux's
+    limit on a process's mappings (vm.max_map_count, 65,530; 63,000 mappings and 9 GB by the last
+    server tests), where the next compile crashed with a segmentation fault. Later modules load what
+    they need again from the persistent compilation cache."""
+    yield
+    gc.collect()
+    jax.clear_caches()
+
 
 # The transformers references are small models. With two threads, torch's forward waits on a core that
 # another process holds: ten SmolLM2 forwards took 36 s that way against 2 s on one thread.
