@@ -106,6 +106,8 @@ def build_error() -> str | None:
     jax.ffi.register_ffi_target(_LINEAR_INT8, jax.ffi.pycapsule(library.LinearCpuInt8), platform="cpu")
     jax.ffi.register_ffi_target(_WRITE_KV, jax.ffi.pycapsule(library.WriteKvCpuBf16), platform="cpu")
     jax.ffi.register_ffi_target(_UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")
+    if os.environ.get("PAGED_JAX_CPU_HELPERS") == "0":
+        library.PagedJaxCpuHelpers(0)
     return None
 
 
@@ -115,7 +117,8 @@ _library = None
 def use_helpers(on: bool) -> None:
     """Whether kernel calls of few rows share their work with the library's own threads, which stay
     awake between calls (common.h: Helpers; the default), or with XLA's pool, as all larger calls do.
-    For comparing the two in one process (scripts/measure_step_time.py --compare-helpers)."""
+    For comparing the two in one process (scripts/measure_step_time.py --compare-helpers);
+    PAGED_JAX_CPU_HELPERS=0 turns them off for a whole process."""
     if not available():
         raise RuntimeError("the CPU kernel library could not be built")
     _library.PagedJaxCpuHelpers(int(on))
