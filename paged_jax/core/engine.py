@@ -81,7 +81,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, model_config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner)
+        self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner,
+                                   token_buckets=tuple(self.resolved.buckets.token_buckets()))
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
         self._requests: dict[str, Request] = {}

@@ -15,7 +15,9 @@ backlog has built up, a step carries prompt tokens up to long_prefill_token_thre
 (at least 3 per decode, so that prompts keep coming in as fast as requests finish), so that a decode
 waits for a short step and not for a whole long prompt; and a prompt that cannot finish in this step
 is admitted only while fewer than max_num_partial_prefills prompts are part-way through theirs. Each
-part-way prompt still gets the prompt tokens first in its turn, so it finishes.
+part-way prompt still gets the prompt tokens first in its turn, so it finishes. Given the engine's token
+buckets, a prompt chunk is cut where that makes its step fill a bucket instead of padding up to the next
+(step_budget.fit_bucket).
 
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
@@ -37,7 +39,7 @@ from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.policy import sort_key
 from paged_jax.core.sequence import Sequence, Status
-from paged_jax.core.step_budget import StepBudget, prompt_cap
+from paged_jax.core.step_budget import StepBudget, fit_bucket, prompt_cap
 
 
 class KVSwapper(Protocol):
@@ -72,8 +74,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: KVSwapper | None = None):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: KVSwapper | None = None,
+                 token_buckets: tuple[int, ...] = ()):
+        """token_buckets: the step sizes the model runs at, ascending (buckets.py); none: steps cost by
+        their tokens alone (replay.py's model), and prompt chunks are not cut to fit."""
         self.config = config
+        self.token_buckets = token_buckets
         self.blocks = block_manager
         self.swapper = swapper
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -97,12 +103,18 @@ class Scheduler:
             self.waiting = collections.deque(sorted(self.waiting, key=self._key))
             self.running.sort(key=self._key)
         decoding = sum(s.num_computable_tokens - s.num_computed_tokens == 1 for s in self.running)
-        budget = StepBudget(self.config.max_num_batched_tokens, prompt_cap(self.config, decoding, len(self.waiting)))
+        budget = StepBudget(self.config.max_num_batched_tokens, prompt_cap(self.config, decoding, len(self.waiting)),
+                            decoding)
 
+        decodes_after = decoding  # those still to come in the loop below, whose tokens the step will hold
         i = 0
         while i < len(self.running) and budget.tokens > 0 and len(out.scheduled) < self.config.max_num_seqs:
             seq = self.running[i]
             num_new = self._num_new_tokens(seq, budget)
+            if seq.num_computable_tokens - seq.num_computed_tokens == 1:
+                decodes_after -= 1
+            elif num_new and (num_new < seq.num_computable_tokens - seq.num_computed_tokens or not self.waiting):
+                num_new = self._fit(seq, num_new, budget, decodes_after)
             if num_new == 0:
                 i += 1
                 continue
@@ -149,6 +161,17 @@ class Scheduler:
             return remaining
         return allowed if self.config.enable_chunked_prefill else 0
 
+    def _fit(self, seq: Sequence, num_new: int, budget: StepBudget, after: int) -> int:
+        """A prompt chunk of num_new tokens, cut to fill its step's bucket; after: tokens to follow it.
+        Only for the step's last prompt chunk (one the budget cut short, or with none waiting behind
+        it): an earlier one cut part-way could keep the next prompts out (max_num_partial_prefills)
+        and leave the step emptier than the padding it saved."""
+        if not self.token_buckets or not self.config.enable_chunked_prefill:
+            return num_new
+        ends_prompt = seq.num_computed_tokens + num_new == seq.num_computable_tokens
+        return fit_bucket(num_new, self.config.max_num_batched_tokens - budget.tokens, after, self.token_buckets,
+                          then=budget.decodes if ends_prompt else None)
+
     def _num_partial_prefills(self, out: SchedulerOutput) -> int:
         """Running prompts that will be part-way through their prefill after this step, as scheduled so far."""
         new = {id(s.seq): s.num_new_tokens for s in out.scheduled}
@@ -191,6 +214,8 @@ class Scheduler:
         num_computed = len(cached) * self.blocks.block_size
         seq.num_computed_tokens = num_computed
         num_new = self._num_new_tokens(seq, budget)
+        if num_new < seq.num_computable_tokens - num_computed or len(self.waiting) == 1:
+            num_new = self._fit(seq, num_new, budget, after=0)
         need = self._blocks_for(num_computed + num_new) - len(cached)
         partial = num_computed + num_new < seq.num_computable_tokens
         if (num_new == 0 or (partial and self._num_partial_prefills(out) >= self.config.max_num_partial_prefills)

@@ -9,6 +9,7 @@ from paged_jax import EngineConfig, SamplingParams
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.scheduler import Scheduler, SchedulerOutput
 from paged_jax.core.sequence import Sequence
+from paged_jax.core.step_budget import fit_bucket
 
 
 def make_seq(seq_id: int, prompt_len: int, max_tokens: int, **params) -> Sequence:
@@ -146,3 +147,58 @@ def test_a_backlog_lifts_the_cap():
         run_step(scheduler, scheduler.schedule())
     assert len(scheduler.waiting) <= 8
     assert prompt_tokens(scheduler.schedule()) <= 64 - 4
+
+
+FINE = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # buckets.py's token buckets at 512 tokens
+
+
+@pytest.mark.parametrize("before, num_new, after, then, fitted", [
+    (0, 270, 0, None, 256),  # 14 tokens later against 114 of padding now
+    (0, 330, 0, None, 330),  # 74 later would save only 54
+    (0, 256, 0, None, 256),  # a bucket already
+    (0, 10, 0, None, 10),  # under the smallest bucket: nothing to fill
+    (4, 130, 2, None, 122),  # the decodes before and after count
+    (130, 2, 0, None, 2),  # a cut would leave nothing
+    (0, 270, 0, 0, 256),  # the prompt's end moves to a step of 16: 114 tokens of padding pay for it
+    (4, 100, 0, None, 92),  # mid-prompt, 8 tokens move to save 24 of padding
+    (4, 100, 0, 4, 100),  # but not the prompt's end: the step of 16 it would wait for costs more
+])
+def test_fit_bucket(before, num_new, after, then, fitted):
+    assert fit_bucket(num_new, before, after, FINE, then) == fitted
+
+
+def fitted_scheduler(**options) -> Scheduler:
+    config = EngineConfig(**dict(block_size=16, max_num_batched_tokens=512) | options)
+    return Scheduler(config, BlockManager(4096, 16, enable_prefix_caching=False, numpy_pool=True), token_buckets=FINE)
+
+
+def test_a_lone_prompt_fills_the_bucket_below_and_finishes_in_the_next_step():
+    scheduler = fitted_scheduler()
+    seq = make_seq(0, 270, max_tokens=2)
+    scheduler.add(seq)
+    steps = []
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        steps.append(out.num_tokens)
+        run_step(scheduler, out)
+    assert steps == [256, 14, 1]
+
+
+def test_a_prompt_beside_decodes_fills_the_step_with_them():
+    scheduler = fitted_scheduler(long_prefill_token_threshold=0)
+    for i in range(3):
+        scheduler.add(make_seq(i, 20, max_tokens=100))
+    run_step(scheduler, scheduler.schedule())
+    scheduler.add(make_seq(9, 140, max_tokens=2))
+    out = scheduler.schedule()
+    assert decodes(out) == 3 and prompt_tokens(out) == 128 - 3
+
+
+def test_only_the_steps_last_prompt_chunk_is_cut():
+    """Cutting the first of several prompts part-way would keep the second out of the step (one part-way
+    prompt at a time): the step holds both, and the last is cut to fill a bucket."""
+    scheduler = fitted_scheduler(max_num_partial_prefills=1)
+    scheduler.add(make_seq(0, 100, max_tokens=2))
+    scheduler.add(make_seq(1, 300, max_tokens=2))
+    out = scheduler.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(0, 100), (1, 284)]
