@@ -30,10 +30,12 @@ def inv_freq(config: ModelConfig) -> np.ndarray:
     return freq.astype(np.float32)
 
 
-def cos_sin(positions: jax.Array, freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions: int32 [num_tokens]; freq: float32 [head_dim // 2] -> cos, sin float32 [num_tokens, head_dim // 2]."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(freq)[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+def cos_sin(positions: jax.Array | np.ndarray, freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions: int32 [num_tokens]; freq: float32 [head_dim // 2] -> cos, sin float32 [num_tokens, head_dim // 2],
+    numpy arrays for numpy positions (the engine's host side), else jax arrays."""
+    xp = np if isinstance(positions, np.ndarray) else jnp
+    angles = positions.astype(np.float32)[:, None] * xp.asarray(freq, np.float32)[None, :]
+    return xp.cos(angles), xp.sin(angles)
 
 
 def apply(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

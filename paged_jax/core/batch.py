@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from kernels_pallas import AttentionMetadata
+from models import rope
 from paged_jax.core.buckets import StepBuckets, StepShape
 from paged_jax.core.scheduler import ScheduledSeq
 
@@ -19,22 +20,28 @@ class StepInput:
     positions: jax.Array  # int32 [num_tokens]
     metadata: AttentionMetadata
     logits_indices: jax.Array  # int32 [num_head_rows] row of each sequence's last new token, then 0s
+    cos: jax.Array  # f32 [num_tokens, rotary_dim // 2] rope.cos_sin of the positions, made on the host
+    sin: jax.Array  # f32 [num_tokens, rotary_dim // 2]
 
 
-def padding_step_input(shape: StepShape, num_head_rows: int) -> StepInput:
+def padding_step_input(shape: StepShape, num_head_rows: int, rope_freq: np.ndarray) -> StepInput:
     """A step of padding alone (numpy arrays): no token is written (slot -1), no sequence has a length.
-    What build_step_input starts from, and what warm-up runs."""
+    What build_step_input starts from, and what warm-up runs. rope_freq: f32 [rotary_dim // 2], the
+    model's rotary frequencies (rope.inv_freq)."""
     T, S, W, Q = shape
     metadata = AttentionMetadata(np.full(T, -1, np.int32), np.zeros((S, W), np.int32), np.zeros(S, np.int32),
                                  np.zeros(S + 1, np.int32), max_query_len=Q)
-    return StepInput(np.zeros(T, np.int32), np.zeros(T, np.int32), metadata, np.zeros(num_head_rows, np.int32))
+    positions = np.zeros(T, np.int32)
+    return StepInput(np.zeros(T, np.int32), positions, metadata, np.zeros(num_head_rows, np.int32),
+                     *rope.cos_sin(positions, rope_freq))
 
 
-def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: StepBuckets) -> StepInput:
+def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: StepBuckets,
+                     rope_freq: np.ndarray) -> StepInput:
     """Lay the scheduled sequences' new tokens end to end, in the given order (numpy arrays)."""
     num_tokens = sum(s.num_new_tokens for s in scheduled)
     step = padding_step_input(buckets.shape(num_tokens, max(s.num_new_tokens for s in scheduled)),
-                              buckets.num_head_rows)
+                              buckets.num_head_rows, rope_freq)
     metadata = step.metadata
     metadata.query_start_loc[:] = num_tokens
     start = 0
@@ -51,4 +58,5 @@ def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: St
         metadata.query_start_loc[row] = start
         step.logits_indices[row] = start + n - 1
         start += n
-    return step
+    cos, sin = rope.cos_sin(step.positions, rope_freq)
+    return dataclasses.replace(step, cos=cos, sin=sin)

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from kernels_pallas.layout import get_pages, set_pages
-from models import sharding
+from models import rope, sharding
 from paged_jax.core import distributed, sampling, structured_output
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
@@ -71,7 +71,8 @@ def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, s
     """
     model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
     hidden, kv_cache = model.hidden_states(step_input.input_ids, step_input.positions, kv_cache, step_input.metadata,
-                                           attn_backend=attn_backend, mesh=mesh)
+                                           attn_backend=attn_backend, mesh=mesh,
+                                           cos_sin=(step_input.cos, step_input.sin))
     return hidden[step_input.logits_indices], kv_cache
 
 
@@ -118,6 +119,7 @@ class ModelRunner:
         self._weights = tuple(jax.tree.leaves(self.state))
         self.mesh = mesh
         self.model_config = model_config
+        self._rope_freq = rope.inv_freq(model_config)
         self.resolved = resolved
         self.kv_cache = self._new_kv_cache()
         self.step_observers: list = []  # each called with a step's scheduled sequences before it runs (step_profile.py)
@@ -160,7 +162,8 @@ class ModelRunner:
         seqs = [s.seq for s in scheduled]
         # A row that does not sample this step (a prompt chunk) has nothing to constrain.
         guides = [s.seq.guide if s.samples else None for s in scheduled]
-        return build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets), self._sampling_tensors(
+        step_input = build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets, self._rope_freq)
+        return step_input, self._sampling_tensors(
             [s.params for s in seqs], [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs],
             [s.token_ids[: s.num_prompt_tokens] for s in seqs], [s.output_token_ids for s in seqs], guides)
 
@@ -206,10 +209,12 @@ class ModelRunner:
                     for rows in buckets.all_sample_rows()
                     for params in (SamplingParams(), SamplingParams(repetition_penalty=1.1))]
         for i, shape in enumerate(buckets.shapes()):
-            self.warm_step(padding_step_input(shape, buckets.num_head_rows), samplers if i == 0 else [])
-        self.run_step(np.zeros((1, 2), np.int32), padding_step_input(buckets.shapes()[0], buckets.num_head_rows),
-                      samplers[0])
+            self.warm_step(self._padding_step(shape), samplers if i == 0 else [])
+        self.run_step(np.zeros((1, 2), np.int32), self._padding_step(buckets.shapes()[0]), samplers[0])
         self.swap_in(self.swap_out([0]), [self.resolved.num_blocks])
+
+    def _padding_step(self, shape) -> StepInput:
+        return padding_step_input(shape, self.resolved.buckets.num_head_rows, self._rope_freq)
 
     @distributed.replicated
     def warm_step(self, step_input: StepInput, samplers: list[sampling.SamplingTensors]) -> None:
