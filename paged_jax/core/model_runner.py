@@ -202,12 +202,15 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Make every program a step can run (buckets.py): each model-call shape, each sampler row count
-        with and without penalties, a block copy and a swap each way, all on padding: no token is written,
-        the only block copied is the null block onto itself, swapped-in blocks land nowhere."""
+        with and without penalties, greedy and drawing at random, a block copy and a swap each way, all
+        on padding: no token is written, the only block copied is the null block onto itself,
+        swapped-in blocks land nowhere."""
         buckets = self.resolved.buckets
         samplers = [self._sampling_tensors([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
                     for rows in buckets.all_sample_rows()
-                    for params in (SamplingParams(), SamplingParams(repetition_penalty=1.1))]
+                    for params in (SamplingParams(temperature=0), SamplingParams(),
+                                   SamplingParams(temperature=0, repetition_penalty=1.1),
+                                   SamplingParams(repetition_penalty=1.1))]
         for i, shape in enumerate(buckets.shapes()):
             self.warm_step(self._padding_step(shape), samplers if i == 0 else [])
         self.run_step(np.zeros((1, 2), np.int32), self._padding_step(buckets.shapes()[0]), samplers[0])

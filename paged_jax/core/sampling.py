@@ -18,9 +18,13 @@ The host packs the rows' parameters into a `SamplingTensors` pytree (`make_sampl
    else is in the batch.
 
 Rows are padded to `pad_rows_to`, the bans are a bit mask over the vocabulary and the penalties'
-history a fixed width, and what a batch needs (a random draw, top-k/top-p, bans, logprobs) is decided
-at run time by conditionals that skip the work nobody asked for. So one compiled program serves every
-batch of a row count, and the only other shape is whether any row has penalties (a history, or none).
+history a fixed width, and what a batch needs within a program (top-k/top-p, logprobs) is decided at
+run time by conditionals that skip the work nobody asked for. Two features choose the program instead,
+through the shapes of their inputs: whether any row has penalties (a history, or none) and whether any
+row draws at random (its keys, or none). A random draw's branch, never taken by a greedy batch, would
+still size the program's scratch memory to several copies of the logits (88 MB at 64 rows); the CPU
+runtime allocates that afresh for every call, and each page of it touched faults in again, which cost a
+greedy step as much as its sampling.
 """
 
 import dataclasses
@@ -51,12 +55,11 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # f32 [S]     1 = off
     presence_penalty: jax.Array  # f32 [S]       0 = off
     frequency_penalty: jax.Array  # f32 [S]      0 = off
-    key_data: jax.Array  # uint32 [S, 2]         threefry words of PRNGKey(seed)
+    key_data: jax.Array  # uint32 [R, 2]         threefry words of PRNGKey(seed); R = S if do_random, else 0
     steps: jax.Array  # int32 [S]                tokens the row has generated so far
     banned: jax.Array  # uint32 [S, W]           bit t % 32 of word t // 32: t may not be sampled this step
     history: jax.Array  # int32 [S, H]           prompt ids then output ids, -1 padded; H = 0 unless do_penalties
     num_prompt_ids: jax.Array  # int32 [S]       how many of a row's history ids are its prompt's
-    all_greedy: jax.Array  # bool []
     any_banned: jax.Array  # bool []
     do_top_k_top_p: jax.Array  # bool []         some sampled row has top_k or top_p
     any_logprobs: jax.Array  # bool []           some row asks for logprobs
@@ -64,6 +67,10 @@ class SamplingTensors:
     @property
     def do_penalties(self) -> bool:
         return self.history.shape[-1] > 0
+
+    @property
+    def do_random(self) -> bool:
+        return self.key_data.shape[0] > 0
 
 
 @jax.tree_util.register_dataclass
@@ -116,10 +123,12 @@ def make_sampling_tensors(
         out[:num] = values
         return out
 
-    seeds64 = [s % 2**64 for s in seeds]
-    key_data = np.zeros((pad_rows_to, 2), np.uint32)
-    key_data[:num, 0] = [s >> 32 for s in seeds64]
-    key_data[:num, 1] = [s & 0xFFFFFFFF for s in seeds64]
+    sampled = [p for p in params if not p.greedy]
+    key_data = np.zeros((pad_rows_to if sampled else 0, 2), np.uint32)
+    if sampled:
+        seeds64 = [s % 2**64 for s in seeds]
+        key_data[:num, 0] = [s >> 32 for s in seeds64]
+        key_data[:num, 1] = [s & 0xFFFFFFFF for s in seeds64]
     banned = np.zeros((pad_rows_to, -(-vocab_size // _BITS)), np.uint32)
     for row, (p, out) in enumerate(zip(params, output_ids)):
         ids = np.asarray(_banned_ids(p, len(out), eos_ids), np.int64)
@@ -129,7 +138,6 @@ def make_sampling_tensors(
         if allowed.shape != banned.shape:
             raise ValueError(f"the allowed-token mask is {allowed.shape}, the ban mask {banned.shape}")
         banned |= ~allowed.view(np.uint32)
-    sampled = [p for p in params if not p.greedy]
     do_penalties = any(p.uses_penalties for p in params)
     history = np.full((pad_rows_to, history_width if do_penalties else 0), -1, np.int32)
     if do_penalties:
@@ -151,7 +159,6 @@ def make_sampling_tensors(
         banned=banned,
         history=history,
         num_prompt_ids=column([len(prompt) for prompt in prompt_ids], 0, np.int32),
-        all_greedy=np.bool_(not sampled),
         any_banned=np.bool_(banned.any()),
         do_top_k_top_p=np.bool_(any(p.top_k > 0 or p.top_p < 1 for p in sampled)),
         any_logprobs=np.bool_(any(p.logprobs is not None for p in params)),
@@ -187,10 +194,10 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     logits = raw = logits.astype(jnp.float32)
     if t.do_penalties:
         logits = apply_penalties(logits, t)
-    logits = jax.lax.cond(t.any_banned, _ban, lambda x, _: x, logits, t.banned)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    tokens = jax.lax.cond(t.all_greedy, lambda: greedy,
-                          lambda: jnp.where(t.temperature == 0, greedy, _random_tokens(logits, t)))
+    logits = _ban(logits, t.banned)
+    tokens = argmax(logits)
+    if t.do_random:
+        tokens = jnp.where(t.temperature == 0, tokens, _random_tokens(logits, t))
     k = min(MAX_LOGPROBS, vocab)
 
     def with_logprobs():
@@ -207,9 +214,26 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
 
 def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
     """logits: f32 [S, V]; banned: uint32 [S, W] bit mask -> logits with the banned tokens -inf."""
-    tokens = jnp.arange(logits.shape[-1])
-    bits = (banned[:, tokens // _BITS] >> (tokens % _BITS).astype(jnp.uint32)) & 1
-    return jnp.where(bits == 1, -jnp.inf, logits)
+    rows, vocab = logits.shape
+    bits = (banned[:, :, None] >> jnp.arange(_BITS, dtype=jnp.uint32)) & 1
+    return jnp.where(bits.reshape(rows, -1)[:, :vocab] == 1, -jnp.inf, logits)
+
+
+_ARGMAX_BLOCK = 512
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """logits: f32 [S, V] -> int32 [S], the first index of each row's maximum, as jnp.argmax.
+
+    XLA's CPU argmax reduces (value, index) pairs one element at a time (1.7 ms for 16 rows of
+    49,152); a vectorised max over blocks first, then argmax over the block maxima and over the one
+    block that holds the maximum, reads the row once at the speed of a max (0.16 ms)."""
+    rows, vocab = logits.shape
+    pad = -vocab % _ARGMAX_BLOCK
+    blocks = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(rows, -1, _ARGMAX_BLOCK)
+    block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+    within = jnp.argmax(jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0], axis=-1)
+    return (block * _ARGMAX_BLOCK + within).astype(jnp.int32)
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:

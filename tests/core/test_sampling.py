@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from paged_jax.core.sampling import apply_penalties, sample
+from paged_jax.core.sampling import apply_penalties, argmax, sample
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from sampler_rows import EOS, VOCAB_SIZE, build, log_softmax
 
@@ -17,6 +17,26 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     tokens = np.asarray(sample(logits, build(params)).tokens)
     greedy_rows = [0, 1, 3, 4]
     np.testing.assert_array_equal(tokens[greedy_rows], logits[greedy_rows].argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [1, 100, 512, 49152, 50257])
+def test_argmax_takes_the_first_maximum_as_numpy_does(vocab):
+    rng = np.random.default_rng(vocab)
+    # Few distinct values, so that most rows have their maximum in several places, in several blocks.
+    logits = rng.integers(-3, 4, size=(5, vocab)).astype(np.float32)
+    logits[4] = -np.inf  # a row with every token banned still names one
+    np.testing.assert_array_equal(argmax(logits), logits.argmax(-1))
+    logits = rng.normal(size=(5, vocab)).astype(np.float32)
+    np.testing.assert_array_equal(argmax(logits), logits.argmax(-1))
+
+
+def test_a_greedy_batch_is_a_program_without_random_draws():
+    logits = np.random.default_rng(8).normal(size=(4, 100)).astype(np.float32)
+    greedy = build([SamplingParams(temperature=0)] * 3, pad_rows_to=4)
+    mixed = build([SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)], pad_rows_to=4)
+    assert not greedy.do_random and mixed.do_random
+    np.testing.assert_array_equal(sample(logits, greedy).tokens[:3], logits[:3].argmax(-1))
+    assert sample(logits, mixed).tokens[0] == logits[0].argmax()
 
 
 @pytest.mark.parametrize("kwargs", [dict(top_k=1), dict(min_p=1.0), dict(top_p=1e-6)])
