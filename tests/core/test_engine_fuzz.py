@@ -88,6 +88,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.seen = seen  # what the run exercised, over all examples
         self.live: dict[str, SamplingParams] = {}  # accepted requests with no finished output yet
         self.deltas: dict[str, RequestOutput] = {}  # DELTA requests' outputs so far, folded together
+        self.greedy_done: list[tuple[list[int], list[int]]] = []  # (prompt, tokens) of finished greedy requests
 
     # Every example opens with a workload: left to rules alone, most examples would add nothing.
     @initialize(mode=st.sampled_from(["recompute", "swap"]), prefix_caching=st.booleans(),
@@ -105,6 +106,14 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(prompt=PROMPTS, params=sampling_params())
     def add(self, prompt, params):
         self.live[self.engine.add_request(prompt, params)] = params
+
+    @precondition(lambda self: self.greedy_done)
+    @rule(data=st.data())
+    def add_stopping_on_a_seen_token(self, data):
+        """A stop id the model does produce (a random one it seldom would): a token that greedy decoding
+        of this prompt gave before."""
+        prompt, tokens = data.draw(st.sampled_from(self.greedy_done))
+        self.add(prompt, SamplingParams(temperature=0.0, max_tokens=len(tokens), stop_token_ids=[tokens[-1]]))
 
     @rule(refused=st.sampled_from(REFUSED))
     def add_refused(self, refused):
@@ -155,6 +164,8 @@ class EngineMachine(RuleBasedStateMachine):
                 output = self.deltas.setdefault(output.request_id, output)
             if output.finished:
                 self._check_finished(output, params)
+                if params.temperature == 0 and params.n == 1 and output.outputs[0].token_ids:
+                    self.greedy_done.append((output.prompt_token_ids, list(output.outputs[0].token_ids)))
                 del self.live[output.request_id]
                 kind = "beam search" if params.use_beam_search else "n > 1" if params.n > 1 else "n = 1"
                 self.seen[f"{kind} finished"] += 1
