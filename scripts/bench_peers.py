@@ -40,6 +40,7 @@ import subprocess
 import sys
 
 import bench_throughput
+from paged_jax.core import host_memory
 from paged_jax.research import machine, step_profile
 
 DRIVER = pathlib.Path(__file__).with_name("peer_driver.py")
@@ -258,4 +259,5 @@ def format_table(systems: list[str], rounds: list[dict], ratios: dict[str, list[
 
 
 if __name__ == "__main__":
+    host_memory.restart_with_tunables()
     main()

@@ -36,6 +36,7 @@ import numpy as np
 from models import DEFAULT_MODEL
 from paged_jax import LLM, LLMEngine, SamplingParams
 from kernels_pallas.layout import LAYOUTS
+from paged_jax.core import host_memory
 from paged_jax.research import machine, step_profile
 from paged_jax.core.config import DTYPES, KV_CACHE_DTYPES, MATMUL_BACKENDS
 from paged_jax.research.machine_peaks import matmul_peak_gflops
@@ -258,4 +259,5 @@ def write_json(path: str | None, figures: dict) -> None:
 
 
 if __name__ == "__main__":
+    host_memory.restart_with_tunables()
     main()

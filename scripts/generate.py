@@ -15,7 +15,7 @@ import time
 
 from models import DEFAULT_MODEL
 from paged_jax import LLMEngine, SamplingParams, StructuredOutputsParams
-from paged_jax.core import distributed
+from paged_jax.core import distributed, host_memory
 from paged_jax.core.config import DTYPES
 from paged_jax.core.llm import LLM
 
@@ -124,4 +124,5 @@ def _print_stats(engine: LLMEngine, outputs, elapsed: float) -> None:
 
 
 if __name__ == "__main__":
+    host_memory.restart_with_tunables()
     sys.exit(main())

@@ -24,7 +24,7 @@ import time
 import bench_throughput
 from kernels_pallas.cpu import kernel as cpu_kernel
 from paged_jax import LLMEngine, SamplingParams
-from paged_jax.core import warmup
+from paged_jax.core import host_memory, warmup
 from paged_jax.core.scheduler import ScheduledSeq
 from paged_jax.core.sequence import Sequence
 
@@ -122,4 +122,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    host_memory.restart_with_tunables()
     main()
