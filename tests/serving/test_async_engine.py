@@ -13,6 +13,8 @@ from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 from paged_jax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError,
                                             StatLogger)
 
+from conftest import slow_steps
+
 OPTIONS = dict(block_size=16, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=256)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 QUEUE_CAP = 3
@@ -98,8 +100,12 @@ def test_timeout_ends_the_request_and_frees_its_blocks(engine, recorder):
         await wait_until(lambda: idle_and_free(engine))
         return out
 
+    slow_steps(engine.engine, 0.005)  # LONG's 400 tokens then take 2 s at least, however fast the machine
     start = time.monotonic()
-    out = asyncio.run(run())
+    try:
+        out = asyncio.run(run())
+    finally:
+        del engine.engine.runner.execute
     assert time.monotonic() - start < 10
     assert out.finished and out.outputs[0].finish_reason == "timeout"
     assert len(out.outputs[0].token_ids) < LONG.max_tokens
