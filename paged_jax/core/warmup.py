@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class WarmUp:
     num_step_shapes: int  # shapes of the model call
-    num_sampler_shapes: int  # row counts of the head and sampler, each with and without penalties
+    num_sampler_shapes: int  # row counts of the head and sampler, each with and without penalties, greedy or not
     num_programs: int  # programs compiled or loaded from the persistent cache during the warm-up
     seconds: float
 
@@ -33,7 +33,7 @@ def warm_up(engine) -> WarmUp:
     start, before, buckets = time.perf_counter(), compiles.count(), engine.resolved.buckets
     engine.runner.warm_up()
     engine.blocks.warm_up()
-    done = WarmUp(len(buckets.shapes()), 2 * len(buckets.all_sample_rows()), compiles.count() - before,
+    done = WarmUp(len(buckets.shapes()), 4 * len(buckets.all_sample_rows()), compiles.count() - before,
                   time.perf_counter() - start)
     logger.info("warm-up: %d step shapes and %d sampler shapes; %d programs compiled or loaded from the "
                 "persistent cache in %.1f s", done.num_step_shapes, done.num_sampler_shapes, done.num_programs,

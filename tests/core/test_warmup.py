@@ -61,7 +61,7 @@ def test_nothing_compiles_after_warm_up(tiny, options):
     engine = make_engine(tiny, **options)
     done = warmup.warm_up(engine)
     buckets = engine.resolved.buckets
-    assert (done.num_step_shapes, done.num_sampler_shapes) == (len(buckets.shapes()), 2 * len(buckets.all_sample_rows()))
+    assert (done.num_step_shapes, done.num_sampler_shapes) == (len(buckets.shapes()), 4 * len(buckets.all_sample_rows()))
     before = compiles.count()
     prompts, params = workload(tiny.config.vocab_size, engine.resolved.max_model_len)
     outputs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
