@@ -26,22 +26,29 @@ class StepInput:
 
 def padding_step_input(shape: StepShape, num_head_rows: int, rope_freq: np.ndarray) -> StepInput:
     """A step of padding alone (numpy arrays): no token is written (slot -1), no sequence has a length.
-    What build_step_input starts from, and what warm-up runs. rope_freq: f32 [rotary_dim // 2], the
-    model's rotary frequencies (rope.inv_freq)."""
+    What warm-up runs. rope_freq: f32 [rotary_dim // 2], the model's rotary frequencies (rope.inv_freq)."""
+    return _with_rope(_padding(shape, num_head_rows), rope_freq)
+
+
+def _padding(shape: StepShape, num_head_rows: int) -> StepInput:
+    """padding_step_input without its rotary tables, which are made once its positions are final."""
     T, S, W, Q = shape
     metadata = AttentionMetadata(np.full(T, -1, np.int32), np.zeros((S, W), np.int32), np.zeros(S, np.int32),
                                  np.zeros(S + 1, np.int32), max_query_len=Q)
-    positions = np.zeros(T, np.int32)
-    return StepInput(np.zeros(T, np.int32), positions, metadata, np.zeros(num_head_rows, np.int32),
-                     *rope.cos_sin(positions, rope_freq))
+    return StepInput(np.zeros(T, np.int32), np.zeros(T, np.int32), metadata, np.zeros(num_head_rows, np.int32),
+                     cos=None, sin=None)
+
+
+def _with_rope(step: StepInput, rope_freq: np.ndarray) -> StepInput:
+    cos, sin = rope.cos_sin(step.positions, rope_freq)
+    return dataclasses.replace(step, cos=cos, sin=sin)
 
 
 def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: StepBuckets,
                      rope_freq: np.ndarray) -> StepInput:
     """Lay the scheduled sequences' new tokens end to end, in the given order (numpy arrays)."""
     num_tokens = sum(s.num_new_tokens for s in scheduled)
-    step = padding_step_input(buckets.shape(num_tokens, max(s.num_new_tokens for s in scheduled)),
-                              buckets.num_head_rows, rope_freq)
+    step = _padding(buckets.shape(num_tokens, max(s.num_new_tokens for s in scheduled)), buckets.num_head_rows)
     metadata = step.metadata
     metadata.query_start_loc[:] = num_tokens
     start = 0
@@ -58,5 +65,4 @@ def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: St
         metadata.query_start_loc[row] = start
         step.logits_indices[row] = start + n - 1
         start += n
-    cos, sin = rope.cos_sin(step.positions, rope_freq)
-    return dataclasses.replace(step, cos=cos, sin=sin)
+    return _with_rope(step, rope_freq)

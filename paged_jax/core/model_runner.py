@@ -214,7 +214,7 @@ class ModelRunner:
         with and without penalties, greedy and drawing at random, a block copy and a swap each way, all
         on padding: no token is written, the only block copied is the null block onto itself,
         swapped-in blocks land nowhere. First every page of the KV cache is written once (_write_every_page)."""
-        if self.mesh is None:  # a split cache is made of zeros already (_new_kv_cache)
+        if self.mesh is None and self.resolved.platform == "cpu":  # the one pool allocated unwritten (_new_kv_cache)
             self.kv_cache = _write_every_page(self.kv_cache)
         buckets = self.resolved.buckets
         samplers = [self._sampling_tensors([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
