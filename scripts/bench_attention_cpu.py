@@ -4,12 +4,13 @@ float32 q, as a bfloat16 KV cache under float32 weights runs).
 
     python scripts/bench_attention_cpu.py                  # SmolLM2-135M shapes, float32
     python scripts/bench_attention_cpu.py --dtype bfloat16 --rounds 2 --only decode
+    python scripts/bench_attention_cpu.py --layout head_major --block-size 64   # the engine's CPU pages
 
 Each scenario is a step shaped as the engine shapes one (token, sequence and block-table widths
 bucketed to powers of two as the engine does (paged_jax/core/buckets.py), decode rows first, pages in random order), and
 every variant runs on the same inputs, interleaved, so a noisy machine slows them alike. Prints the median time of each,
-its error against the reference, and the time to read the step's live K/V once at 20 GB/s (the
-memory-bandwidth floor). For decode scenarios the 2-page chunked scan measured earlier is a third
+its error against the reference, and the time to read the step's live K/V once at the machine's
+measured read rate (the memory-bandwidth floor). For decode scenarios the 2-page chunked scan measured earlier is a third
 column.
 """
 
@@ -27,9 +28,7 @@ from kernels_pallas.cpu import kernel as cpu_kernel
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.cpu.xla import paged_attention_xla
 from paged_jax.core.buckets import StepBuckets
-from paged_jax.research import machine
-
-BANDWIDTH = 20e9  # bytes/s, read + write, measured on this machine kind (see /work/shared/CPU.md)
+from paged_jax.research import machine, machine_peaks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +86,7 @@ def make_step(scenario: Scenario, args, rng):
     buckets = StepBuckets(num_tokens, len(seq_lens), int(blocks.max()), attention_backend="pallas")
     T, S, W, Q = buckets.shape(num_tokens, max(scenario.new))
     num_blocks = int(blocks.sum()) + 1
-    shape = layout.page_shape(num_blocks, bs, kvh, dim)
+    shape = layout.page_shape(num_blocks, bs, kvh, dim, args.layout)
     dtype = jnp.dtype(args.dtype)
     k_pages = jnp.asarray(rng.standard_normal(shape), dtype)
     v_pages = jnp.asarray(rng.standard_normal(shape), dtype)
@@ -129,6 +128,7 @@ def main():
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layout", choices=layout.LAYOUTS, default=layout.TOKEN_MAJOR)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved turns of 5 calls per variant")
     parser.add_argument("--only", help="run the scenarios whose name contains this")
@@ -137,8 +137,9 @@ def main():
     rng = np.random.default_rng(0)
     itemsize = jnp.dtype(args.dtype).itemsize
     print(machine.one_line(machine.describe()))
+    bandwidth = machine_peaks.memory_bandwidth_gbs() * 1e9
     print(f"one layer: {args.num_heads} heads / {args.num_kv_heads} KV heads, head_dim {args.head_dim},"
-          f" block {args.block_size}, {args.dtype}; medians of {5 * args.rounds} calls (ms)")
+          f" {args.layout} blocks of {args.block_size}, {args.dtype}; memory read at {bandwidth / 1e9:.0f} GB/s; medians of {5 * args.rounds} calls (ms)")
     print(f"{'scenario':>34} {'floor':>6} {'reference':>10} {'xla':>8} {'speedup':>8} {'chunked-2':>10} {'cpu':>8}"
           "  rel err")
     for scenario in scenarios(rng):
@@ -146,13 +147,14 @@ def main():
             continue
         inputs, Q = make_step(scenario, args, rng)
         fns = {
-            "reference": jax.jit(lambda *a, Q=Q: paged_attention_reference(*a, max_query_len=Q)),
-            "xla": jax.jit(lambda *a, Q=Q: paged_attention_xla(*a, max_query_len=Q)),
+            "reference": jax.jit(lambda *a, Q=Q: paged_attention_reference(*a, max_query_len=Q, layout=args.layout)),
+            "xla": jax.jit(lambda *a, Q=Q: paged_attention_xla(*a, max_query_len=Q, layout=args.layout)),
         }
         # The C++ kernel computes in float32 over float32 or bfloat16 pages (EngineConfig.kv_cache_dtype).
         fns["cpu"] = jax.jit(lambda q, *a, Q=Q: cpu_kernel.paged_attention_cpu(q.astype(jnp.float32), *a,
-                                                                                max_query_len=Q))
-        if Q == 1:
+                                                                                max_query_len=Q,
+                                                                                layout=args.layout))
+        if Q == 1 and args.layout == layout.TOKEN_MAJOR:  # decode_chunked reads token-major pages
             fns["chunked"] = jax.jit(lambda q, k, v, bt, sl, _: decode_chunked(q[: bt.shape[0]], k, v, bt, sl))
         ms = {name: float(np.median(t)) for name, t in timings_ms(fns, inputs, args.rounds).items()}
         expected = np.asarray(fns["reference"](*inputs), np.float64)
@@ -160,7 +162,7 @@ def main():
         kv_bytes = 2 * int(inputs[4].sum()) * args.num_kv_heads * args.head_dim * itemsize
         chunked = f"{ms['chunked']:10.2f}" if "chunked" in ms else f"{'':>10}"
         cpu = f"{ms['cpu']:8.2f}" if "cpu" in ms else f"{'':>8}"
-        print(f"{scenario.name:>34} {kv_bytes / BANDWIDTH * 1e3:6.2f} {ms['reference']:10.2f} {ms['xla']:8.2f}"
+        print(f"{scenario.name:>34} {kv_bytes / bandwidth * 1e3:6.2f} {ms['reference']:10.2f} {ms['xla']:8.2f}"
               f" {ms['reference'] / ms['xla']:7.1f}x {chunked} {cpu}  {err:.1e}", flush=True)
 
 

@@ -18,9 +18,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -180,105 +182,154 @@ void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v
   }
 }
 
-// A decode row (one new token) of a sequence, every KV head in one work item, so that each block's K,
-// then its V, is read whole and in memory order: the hardware prefetcher streams a block at the full
-// read rate of the machine, where the strided rows of one KV head at a time (a third of every block,
-// for SmolLM2) ran at half of it, and software prefetches (tried, of the next blocks) only slowed it.
-// Vectors run along head_dim. Scores come two positions at a time for the G query heads sharing a KV
-// head (2 * G independent sums, each K load feeding G FMAs), then p * V row by row into accumulators
-// in L1. Bounds: head_dim a multiple of kLanes and at most kMaxHeadDim, blocks of at most kMaxBlockSize.
-constexpr int kMaxHeadDim = 256, kMaxBlockSize = 128;
+// A decode row (one new token) of a sequence, every KV head in one work item. Per block and KV head,
+// the G query heads sharing it take turns over its K rows, then its V rows, which stay in L1 after
+// the first head's pass (a block's head tile is BS * D elements: 16 kB for SmolLM2's 64 x 64).
+// - Scores come kLanes positions at a time, as one vector: each position's q . k is V vector FMAs
+//   into one vector of partial sums, and a shuffle tree (SumLanes) adds kLanes such vectors into one
+//   in log2(kLanes) levels of two shuffles and an add; a horizontal sum per position cost about as
+//   much as its FMAs.
+// - The online softmax runs on those vectors (ExpNonPositive: no scalar exp).
+// - p * V accumulates in V registers per query head over the block's positions.
+// The kernel before (a horizontal sum and a scalar exp per score, an accumulator load and store per
+// FMA) read decode K/V at about 30 GB/s on the 2-core AMD EPYC, this one at about 40, where a plain
+// read of the same tiles reaches about 50 (scripts/bench_attention_cpu.py --layout head_major
+// --block-size 64, 64 sequences of 600: 2.0 -> 1.5 ms a layer).
+// Shapes: head_dim = V * kLanes for V a power of two up to kMaxVectors, blocks of at most
+// kMaxBlockSize slots; AttendRows takes every other shape.
+constexpr int kMaxVectors = 16, kMaxBlockSize = 128;
 
-template <int G, typename KV>
+using IntVec = int32_t __attribute__((vector_size(sizeof(paged_jax::Vec))));
+
+// exp(x) for x <= 0, within a few ulp; below -87.3 about 1e-38 rather than 0, nothing beside a
+// softmax sum of at least 1. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-5 polynomial
+// for exp(r), and 2^n made in the exponent bits.
+inline paged_jax::Vec ExpNonPositive(paged_jax::Vec x) {
+  using paged_jax::Vec;
+  x = x < -87.3f ? Vec{} - 87.3f : x;
+  const IntVec n = __builtin_convertvector(x * 1.44269504f - 0.5f, IntVec);  // round(x / ln2): x <= 0
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln2 in two parts, the first exact in n * it
+  Vec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return (p * r * r + r + 1.0f) * (Vec)((n + 127) << 23);  // times 2^n, as a bit pattern
+}
+
+constexpr int BitReverse(int i, int bits) {
+  int r = 0;
+  for (int b = 0; b < bits; ++b) r |= ((i >> b) & 1) << (bits - 1 - b);
+  return r;
+}
+
+// One level of SumLanes: in segments of 2 * kHalf lanes, the segment of u holds one sum's parts in
+// both halves, as does v's; out's segment holds u's halves added in its first half, v's in its second.
+constexpr int FromU(int i, int half) { return i / (2 * half) * 2 * half + i % (2 * half); }
+constexpr int Pick(int i, int half, int upper) {  // lane of the 2L-lane concatenation (u, v)
+  return i % (2 * half) < half ? FromU(i, half) + upper * half
+                               : paged_jax::kLanes + FromU(i - half, half) + upper * half;
+}
+template <int kHalf, int... I>
+paged_jax::Vec Combine(paged_jax::Vec u, paged_jax::Vec v, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(u, v, Pick(I, kHalf, 0)...) + __builtin_shufflevector(u, v, Pick(I, kHalf, 1)...);
+}
+
+// The kLanes-lane vector whose lane i is the sum of the lanes of parts(i): kLanes vectors added in a
+// tree of log2(kLanes) levels. Levels put each sum's parts in ever narrower segments, in bit-reversed
+// order of the inputs, so input J is taken as parts(BitReverse(J)) and lane i comes out as sum i.
+template <int W = paged_jax::kLanes, int J = 0, typename Parts>
+paged_jax::Vec SumLanes(const Parts& parts) {
+  constexpr int kBits = std::countr_zero(unsigned(paged_jax::kLanes));
+  if constexpr (W == 1) {
+    return parts(BitReverse(J, kBits));
+  } else {
+    return Combine<paged_jax::kLanes / W>(SumLanes<W / 2, J>(parts), SumLanes<W / 2, J + W / 2>(parts),
+                                         std::make_integer_sequence<int, paged_jax::kLanes>());
+  }
+}
+
+inline float Max(paged_jax::Vec v) {
+  float m = v[0];
+  for (int l = 1; l < paged_jax::kLanes; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+template <int V, typename KV>
 void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV* v_pages, const int32_t* table,
                   int seq_len, int64_t token, float scale, float* out) {
   using paged_jax::Load;
   using paged_jax::Vec;
-  constexpr int L = paged_jax::kLanes;
-  const int64_t D = sh.head_dim, BS = sh.block_size, V = D / L, H = sh.num_kv_heads;
+  constexpr int L = paged_jax::kLanes, D = V * L;
+  constexpr int64_t kLinesPerRow = std::max<int64_t>(1, D * sizeof(KV) / 64);  // of 64 bytes
+  const int64_t BS = sh.block_size, H = sh.num_kv_heads, G = sh.num_heads / H;
   const int64_t ss = sh.slot_stride, hs = sh.head_stride, block_stride = BS * H * D;
-  // The page's rows in memory order: slots outer for token-major pages, KV heads outer for head-major.
-  const bool slots_outer = ss > hs;
-  // Per query head r = h * G + g: its scaled q, accumulator, running max and sum; scores per block.
-  std::vector<float> qs(H * G * D), acc(H * G * D, 0.0f), s(H * G * BS), m(H * G, kNoScore), l(H * G, 0.0f);
+  Vec iota;
+  for (int l = 0; l < L; ++l) iota[l] = (float)l;
+  // Per query head r = h * G + g: its accumulator, running max and sum; p: one block's scores, then
+  // their exps.
+  std::vector<float> acc(H * G * D, 0.0f), m(H * G, kNoScore), l(H * G, 0.0f);
+  alignas(64) float p[kMaxBlockSize];
   const float* q_token = q + token * sh.num_heads * D;
-  for (int64_t i = 0; i < H * G * D; ++i) qs[i] = q_token[i] * scale;
-
-  auto score_two = [&](const KV* kb, int64_t h, int t) {  // positions t, t + 1 of KV head h
-    Vec a0[G] = {}, a1[G] = {};
-    const KV* k0 = kb + t * ss + h * hs;
-    for (int64_t v = 0; v < V; ++v) {
-      const Vec x0 = Load(k0 + v * L), x1 = Load(k0 + ss + v * L);
-#pragma GCC unroll 8
-      for (int g = 0; g < G; ++g) {
-        const Vec qv = Load(&qs[(h * G + g) * D + v * L]);
-        a0[g] += qv * x0;
-        a1[g] += qv * x1;
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      s[(h * G + g) * BS + t] = paged_jax::Sum(a0[g]), s[(h * G + g) * BS + t + 1] = paged_jax::Sum(a1[g]);
-  };
-  auto score_one = [&](const KV* kb, int64_t h, int t) {
-    Vec a0[G] = {};
-    for (int64_t v = 0; v < V; ++v) {
-      const Vec x0 = Load(kb + t * ss + h * hs + v * L);
-      for (int g = 0; g < G; ++g) a0[g] += Load(&qs[(h * G + g) * D + v * L]) * x0;
-    }
-    for (int g = 0; g < G; ++g) s[(h * G + g) * BS + t] = paged_jax::Sum(a0[g]);
-  };
-  auto add_value = [&](const KV* vb, int64_t h, int t) {  // acc += p * V for position t of KV head h
-    const KV* row = vb + t * ss + h * hs;
-    float* a = &acc[h * G * D];
-    const float* p = &s[h * G * BS + t];
-    for (int64_t v = 0; v < V; ++v) {
-      const Vec x = Load(row + v * L);
-#pragma GCC unroll 8
-      for (int g = 0; g < G; ++g) paged_jax::Store(a + g * D + v * L, Load(a + g * D + v * L) + p[g * BS] * x);
-    }
-  };
-
-  for (int64_t b = 0; b * BS < seq_len; ++b) {
-    const int64_t base = (int64_t)table[b] * block_stride;
-    const KV* kb = k_pages + base;
-    const KV* vb = v_pages + base;
+  const int64_t blocks = (seq_len + BS - 1) / BS;
+  for (int64_t b = 0; b < blocks; ++b) {
     const int n = (int)std::min<int64_t>(BS, seq_len - b * BS);  // written slots only: the rest may hold NaN
-    if (slots_outer) {
-      int t = 0;
-      for (; t + 2 <= n; t += 2)
-        for (int64_t h = 0; h < H; ++h) score_two(kb, h, t);
-      for (; t < n; ++t)
-        for (int64_t h = 0; h < H; ++h) score_one(kb, h, t);
-    } else {
-      for (int64_t h = 0; h < H; ++h) {
-        int t = 0;
-        for (; t + 2 <= n; t += 2) score_two(kb, h, t);
-        for (; t < n; ++t) score_one(kb, h, t);
+    for (int64_t h = 0; h < H; ++h) {
+      const KV* kb = k_pages + (int64_t)table[b] * block_stride + h * hs;
+      const KV* vb = v_pages + (int64_t)table[b] * block_stride + h * hs;
+      // The next tile's K and V, a row per p * V step of this tile, so that memory streams while the
+      // G query heads compute from L1 (only the first head's pass read memory, through the hardware
+      // prefetcher, which also stalled at each jump to the next tile).
+      const bool last = h + 1 == H && b + 1 == blocks;
+      const int64_t next_b = h + 1 < H ? b : b + 1, next_h = h + 1 < H ? h + 1 : 0;
+      const KV* next_k = last ? nullptr : k_pages + (int64_t)table[next_b] * block_stride + next_h * hs;
+      const KV* next_v = last ? nullptr : v_pages + (int64_t)table[next_b] * block_stride + next_h * hs;
+      const int next_n = last ? 0 : (int)std::min<int64_t>(BS, seq_len - next_b * BS);
+      for (int64_t r = h * G; r < (h + 1) * G; ++r) {
+        Vec qv[V], a[V];
+        for (int v = 0; v < V; ++v) qv[v] = Load(q_token + r * D + v * L) * scale;
+        Vec block_max = Vec{} + kNoScore;
+        for (int t0 = 0; t0 < n; t0 += L) {
+          const Vec s = SumLanes([&](int j) {
+            if (t0 + j >= n) return Vec{};
+            const KV* row = kb + (t0 + j) * ss;
+            Vec dot = qv[0] * Load(row);
+            for (int v = 1; v < V; ++v) dot += qv[v] * Load(row + v * L);
+            return dot;
+          });
+          const Vec masked = iota + (float)t0 < (float)n ? s : Vec{} + kNoScore;
+          paged_jax::Store(p + t0, masked);
+          block_max = block_max > masked ? block_max : masked;
+        }
+        const float m_new = std::max(m[r], Max(block_max)), alpha = ExpNonPositive(Vec{} + (m[r] - m_new))[0];
+        Vec sum{};
+        for (int t0 = 0; t0 < n; t0 += L) {
+          const Vec e = ExpNonPositive(Load(p + t0) - m_new);
+          const Vec kept = iota + (float)t0 < (float)n ? e : Vec{};  // masked lanes: exactly 0
+          paged_jax::Store(p + t0, kept);
+          sum += kept;
+        }
+        l[r] = l[r] * alpha + paged_jax::Sum(sum);
+        m[r] = m_new;
+        for (int v = 0; v < V; ++v) a[v] = Load(&acc[r * D + v * L]) * alpha;
+        const int64_t g = r - h * G;
+        for (int t = 0; t < n; ++t) {
+          if (const int64_t i = g * n + t; i < 2 * next_n) {
+            const KV* ahead = i < next_n ? next_k + i * ss : next_v + (i - next_n) * ss;
+            for (int64_t j = 0; j < kLinesPerRow; ++j) __builtin_prefetch(ahead + j * (64 / sizeof(KV)));
+          }
+          const KV* row = vb + t * ss;
+          for (int v = 0; v < V; ++v) a[v] += p[t] * Load(row + v * L);
+        }
+        for (int v = 0; v < V; ++v) paged_jax::Store(&acc[r * D + v * L], a[v]);
       }
-    }
-    for (int64_t r = 0; r < H * G; ++r) {  // the online softmax
-      float* sr = &s[r * BS];
-      float block_max = kNoScore;
-      for (int i = 0; i < n; ++i) block_max = std::max(block_max, sr[i]);
-      const float m_new = std::max(m[r], block_max), alpha = std::exp(m[r] - m_new);
-      float sum = 0.0f;
-      for (int i = 0; i < n; ++i) sum += (sr[i] = std::exp(sr[i] - m_new));
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
-      for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= alpha;
-    }
-    if (slots_outer) {
-      for (int t = 0; t < n; ++t)
-        for (int64_t h = 0; h < H; ++h) add_value(vb, h, t);
-    } else {
-      for (int64_t h = 0; h < H; ++h)
-        for (int t = 0; t < n; ++t) add_value(vb, h, t);
     }
   }
   float* dst = out + token * sh.num_heads * D;
   for (int64_t r = 0; r < H * G; ++r) {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) dst[r * D + d] = acc[r * D + d] * inv;
+    for (int d = 0; d < D; ++d) dst[r * D + d] = acc[r * D + d] * inv;
   }
 }
 
@@ -289,14 +340,13 @@ using DecodeFn = void (*)(const Shapes&, const float*, const KV*, const KV*, con
 // AttendDecode for this shape, or nullptr where it does not apply (AttendRows serves every shape).
 template <typename KV>
 DecodeFn<KV> DecodeFor(const Shapes& sh) {
-  if (sh.head_dim % paged_jax::kLanes || sh.head_dim > kMaxHeadDim || sh.block_size > kMaxBlockSize) return nullptr;
-  switch (sh.num_heads / sh.num_kv_heads) {
+  if (sh.head_dim % paged_jax::kLanes || sh.block_size > kMaxBlockSize) return nullptr;
+  switch (sh.head_dim / paged_jax::kLanes) {
     case 1: return AttendDecode<1, KV>;
     case 2: return AttendDecode<2, KV>;
-    case 3: return AttendDecode<3, KV>;
     case 4: return AttendDecode<4, KV>;
-    case 6: return AttendDecode<6, KV>;
     case 8: return AttendDecode<8, KV>;
+    case kMaxVectors: return AttendDecode<kMaxVectors, KV>;
     default: return nullptr;
   }
 }
