@@ -36,15 +36,16 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], sharding: tuple, dtype)
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=sharding, eager_sharding=False)
 
 
-def _linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool) -> jax.Array:
+def _linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool, rows=None) -> jax.Array:
     """x: [num_tokens, K] @ w -> [num_tokens, *out_shape]. w is [K, *out_shape], or where packed its
     column panels (cpu_kernel.pack_columns of w as [K, N]; int8 ones: pack_int8), multiplied by the
-    C++ kernel."""
+    C++ kernel, which computes only the leading `rows` rows (int32 scalar: the step's real tokens;
+    None: all) and gives zeros for the padding after them."""
     if not packed:
         return jnp.tensordot(x, w, axes=1)
     linear = cpu_kernel.linear_int8_cpu if w.dtype == jnp.int8 else cpu_kernel.linear_cpu
     with jax.named_scope("matmul"):  # the profile's name for it (paged_jax/research/step_profile.py)
-        return linear(x, w, math.prod(out_shape)).reshape(x.shape[0], *out_shape)
+        return linear(x, w, math.prod(out_shape), rows).reshape(x.shape[0], *out_shape)
 
 
 def _pack(param: nnx.Param, weight: jax.Array, pack=cpu_kernel.pack_columns) -> None:
@@ -92,7 +93,8 @@ class Attention(nnx.Module):
         """
         c = self.config
         g = c.group_size
-        qkv = _linear(x, self.qkv[...], (c.num_kv_heads, g + 2, c.head_dim), self.packed)
+        rows = metadata.query_start_loc[-1]  # the real tokens, before the bucket's padding
+        qkv = _linear(x, self.qkv[...], (c.num_kv_heads, g + 2, c.head_dim), self.packed, rows)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...]
         qk = rope.apply(qkv[:, :, : g + 1], cos, sin)  # q and k rotate together: one fused op
@@ -109,7 +111,7 @@ class Attention(nnx.Module):
             return out, k_pages, v_pages
 
         out, k_pages, v_pages = per_kv_head(attend, mesh, kv_layout)(q, k, v, k_pages, v_pages, metadata)
-        return _linear(out.reshape(x.shape[0], -1), self.o[...], (c.hidden_size,), self.packed), k_pages, v_pages
+        return _linear(out.reshape(x.shape[0], -1), self.o[...], (c.hidden_size,), self.packed, rows), k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -120,11 +122,13 @@ class MLP(nnx.Module):
         self.config = c
         self.packed = False
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [num_tokens, hidden] -> [num_tokens, hidden]; SwiGLU."""
+    def __call__(self, x: jax.Array, rows=None) -> jax.Array:
+        """x: [num_tokens, hidden] -> [num_tokens, hidden]; SwiGLU. rows: int32 scalar, the leading rows
+        that are real tokens (the packed matmuls skip the rest), or None: all."""
         c = self.config
-        gate_up = _linear(x, self.gate_up[...], (2, c.intermediate_size), self.packed)
-        return _linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...], (c.hidden_size,), self.packed)
+        gate_up = _linear(x, self.gate_up[...], (2, c.intermediate_size), self.packed, rows)
+        return _linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...], (c.hidden_size,), self.packed,
+                       rows)
 
 
 class DecoderLayer(nnx.Module):
@@ -140,7 +144,7 @@ class DecoderLayer(nnx.Module):
         attn, k_pages, v_pages = self.attn(self.input_norm(x), cos, sin, k_pages, v_pages, metadata, attn_backend,
                                            kv_layout, mesh)
         x = x + attn
-        return x + self.mlp(self.post_attention_norm(x)), k_pages, v_pages
+        return x + self.mlp(self.post_attention_norm(x), metadata.query_start_loc[-1]), k_pages, v_pages
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "attn_backend", "kv_layout", "mesh"))

@@ -78,6 +78,16 @@ class Join {
   bool closed_ = false;
 };
 
+// The rows of a matmul's x that the step computes: its leading `rows[0]` (the step's real tokens;
+// kernels_pallas/cpu/kernel.py), at most M. The padding rows' out is zeros, never computed: a
+// step's token count is bucketed (paged_jax/core/buckets.py), and a prompt's padded rows cost as
+// much as its real ones, up to a third of a prefill step.
+inline int64_t ComputedRows(xla::ffi::Buffer<xla::ffi::S32> rows, int64_t M, float* out, int64_t N) {
+  const int64_t computed = std::clamp<int64_t>(rows.element_count() > 0 ? rows.typed_data()[0] : M, 0, M);
+  std::fill(out + computed * N, out + M * N, 0.0f);
+  return computed;
+}
+
 // Threads of the kernels' own, which stay awake between calls. XLA's pool wakes a sleeping thread for
 // each call, and a small step's calls are too short for that: at 16 rows a matmul reads its weight in
 // 30 to 100 µs, and the woken thread came too late to take much of it, so two threads read weights

@@ -213,13 +213,23 @@ def unpack_columns(packed: jax.Array, n: int) -> jax.Array:
     return packed.transpose(1, 0, 2).reshape(packed.shape[1], -1)[:, :n]
 
 
-def linear_cpu(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-    """x @ w for x: f32 [M, K] and packed = pack_columns(w) of a f32 w [K, n]; returns f32 [M, n]."""
+def _rows_operand(x: jax.Array, rows) -> jax.Array:
+    """int32 [1]: how many leading rows of x a matmul computes (all of them where rows is None)."""
+    return jnp.reshape(jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32), (1,))
+
+
+def linear_cpu(x: jax.Array, packed: jax.Array, n: int, rows=None) -> jax.Array:
+    """x @ w for x: f32 [M, K] and packed = pack_columns(w) of a f32 w [K, n]; returns f32 [M, n].
+
+    rows: int32 scalar, or None (M): only the leading `rows` rows of x are multiplied, the rest of
+    the result is zeros. A step passes its real token count, so its bucket's padding costs nothing.
+    """
     if not available():
         raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
     if x.dtype != np.float32 or packed.dtype != np.float32:
         raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype} and {packed.dtype}")
-    return jax.ffi.ffi_call(_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed)
+    return jax.ffi.ffi_call(_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed,
+                                                                                     _rows_operand(x, rows))
 
 
 def pack_int8(w: jax.Array) -> jax.Array:
@@ -250,16 +260,17 @@ def unpack_int8(packed: jax.Array, k: int, n: int) -> jax.Array:
     return (q.reshape(groups * INT8_GROUP, -1).astype(jnp.float32) * scales.reshape(-1))[:k, :n]
 
 
-def linear_int8_cpu(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+def linear_int8_cpu(x: jax.Array, packed: jax.Array, n: int, rows=None) -> jax.Array:
     """About x @ w for x: f32 [M, K] and packed = pack_int8(w) of a f32 w [K, n]; returns f32 [M, n].
 
     Each row of x is quantized to 8 bits as the kernel runs, its range [min(x_row, 0), max(x_row, 0)]
     in 255 steps (a scale and zero point of its own); products are summed exactly in int32
-    (linear_int8.cc), so the only errors are the two roundings.
+    (linear_int8.cc), so the only errors are the two roundings. rows: as linear_cpu's.
     """
     if not available():
         raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
     if x.dtype != np.float32 or packed.dtype != np.int8:
         raise ValueError(f"the int8 linear kernel takes float32 x and a pack_int8 weight, got {x.dtype} and "
                          f"{packed.dtype}")
-    return jax.ffi.ffi_call(_LINEAR_INT8, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed)
+    return jax.ffi.ffi_call(_LINEAR_INT8, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed,
+                                                                                          _rows_operand(x, rows))

@@ -89,14 +89,15 @@ void TileRows(int rows, const float* x, int64_t ldx, const float* w, int64_t K, 
 }
 
 ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> out) {
+                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  const int64_t M = xd[0], K = xd[1], P = wd[0], N = od[1];
-  if (wd[1] != K || wd[2] != kPanel || od[0] != M || (N + kPanel - 1) / kPanel != P)
+  const int64_t K = xd[1], P = wd[0], N = od[1];
+  if (wd[1] != K || wd[2] != kPanel || od[0] != xd[0] || (N + kPanel - 1) / kPanel != P)
     return ffi::Error::InvalidArgument("linear: x [M, K], packed w [ceil(N / 16), K, 16] and out [M, N] disagree");
   const float* xs = x.typed_data();
   const float* ws = w.typed_data();
   float* outs = out->typed_data();
+  const int64_t M = paged_jax::ComputedRows(rows, xd[0], outs, N);
   if (M == 0) return ffi::Error::Success();
   const int64_t items = (P + kTilePanels - 1) / kTilePanels;
   const int64_t tiles = (M + kRows - 1) / kRows, share = (K + tiles - 1) / tiles;  // of the next item's lines
@@ -132,4 +133,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpuF32, LinearF32,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -133,16 +133,17 @@ RowCode QuantizeRow(const float* x, int64_t K, int64_t K4, uint8_t* q) {
 }
 
 ffi::Error LinearInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::ResultBuffer<ffi::F32> out) {
+                      ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  const int64_t M = xd[0], K = xd[1], P = wd[0], K4 = (K + kGroup - 1) / kGroup, N = od[1];
-  if (wd[1] != K4 + 2 || wd[2] != kRowBytes || od[0] != M || (N + kPanel - 1) / kPanel != P)
+  const int64_t K = xd[1], P = wd[0], K4 = (K + kGroup - 1) / kGroup, N = od[1];
+  if (wd[1] != K4 + 2 || wd[2] != kRowBytes || od[0] != xd[0] || (N + kPanel - 1) / kPanel != P)
     return ffi::Error::InvalidArgument(
         "linear int8: x [M, K], packed w [ceil(N / 16), ceil(K / 4) + 2, 64] and out [M, N] disagree");
-  if (M == 0) return ffi::Error::Success();
   const float* xs = x.typed_data();
   const int8_t* ws = w.typed_data();
   float* outs = out->typed_data();
+  const int64_t M = paged_jax::ComputedRows(rows, xd[0], outs, N);
+  if (M == 0) return ffi::Error::Success();
   const int64_t ldq = K4 * kGroup;
   std::vector<uint8_t> xq(M * ldq);
   std::vector<RowCode> rc(M);
@@ -179,4 +180,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpuInt8, LinearInt8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -99,3 +99,19 @@ def test_tiny_calls_between_sleeps():
     for i in range(1500):
         np.testing.assert_allclose(np.asarray(linear(*args, n=64)), want, rtol=1e-5, atol=1e-5)
         time.sleep(0.0002 * (i % 4))  # below and above the helpers' spin
+
+
+@pytest.mark.parametrize("linear, pack", [(cpu_kernel.linear_cpu, cpu_kernel.pack_columns),
+                                          (cpu_kernel.linear_int8_cpu, cpu_kernel.pack_int8)])
+@pytest.mark.parametrize("computed", (0, 1, 7, 13, 40))
+def test_rows_computes_the_leading_rows_and_zeros_the_padding(linear, pack, computed):
+    """A step's matmuls take its real token count (models/llama.py): the rows before it are exactly the
+    full matmul's, the padding rows after it zeros, whatever x holds there (NaN included)."""
+    x, w = _random((40, 64), 1), _random((64, 48), 2)
+    x[computed:] = np.nan
+    packed = pack(jnp.asarray(w))
+    run = jax.jit(linear, static_argnames="n")
+    full = np.asarray(run(jnp.asarray(np.nan_to_num(x)), packed, n=48))
+    got = np.asarray(run(jnp.asarray(x), packed, n=48, rows=jnp.int32(computed)))
+    np.testing.assert_array_equal(got[:computed], full[:computed])
+    assert not got[computed:].any()
