@@ -54,6 +54,50 @@ class FlushDenormals {
 #endif
 };
 
+using IntVec = int32_t __attribute__((vector_size(sizeof(paged_jax::Vec))));
+
+// exp(x) for x <= 0, within a few ulp; below -87.3 about 1e-38 rather than 0, nothing beside a
+// softmax sum of at least 1. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-5 polynomial
+// for exp(r), and 2^n made in the exponent bits.
+inline paged_jax::Vec ExpNonPositive(paged_jax::Vec x) {
+  using paged_jax::Vec;
+  x = x < -87.3f ? Vec{} - 87.3f : x;
+  const IntVec n = __builtin_convertvector(x * 1.44269504f - 0.5f, IntVec);  // round(x / ln2): x <= 0
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln2 in two parts, the first exact in n * it
+  Vec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return (p * r * r + r + 1.0f) * (Vec)((n + 127) << 23);  // times 2^n, as a bit pattern
+}
+
+inline float Max(paged_jax::Vec v) {
+  float m = v[0];
+  for (int l = 1; l < paged_jax::kLanes; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+// rows[i][j] <-> rows[j][i] for a kLanes x kLanes block in registers: log2(kLanes) stages, each
+// swapping the off-diagonal half-blocks of every pair of rows h apart, two shuffles a pair.
+inline void Transpose(paged_jax::Vec (&rows)[paged_jax::kLanes]) {
+  constexpr int L = paged_jax::kLanes;
+  [&]<int... I>(std::integer_sequence<int, I...> lanes) {
+    auto stage = [&]<int h>(std::integral_constant<int, h>) {
+      for (int i = 0; i < L; ++i) {
+        if (i & h) continue;
+        const paged_jax::Vec a = rows[i], b = rows[i + h];
+        rows[i] = __builtin_shufflevector(a, b, (I & h ? L + I - h : I)...);
+        rows[i + h] = __builtin_shufflevector(a, b, (I & h ? L + I : I + h)...);
+      }
+    };
+    [&]<int... S>(std::integer_sequence<int, S...>) {
+      (stage(std::integral_constant<int, ((L >> 1) >> S)>()), ...);
+    }(std::make_integer_sequence<int, std::countr_zero(unsigned(L))>());
+  }(std::make_integer_sequence<int, L>());
+}
+
 struct Shapes {
   int64_t num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, num_seqs, max_blocks;
   int64_t slot_stride, head_stride;  // elements between a page's consecutive slots / KV heads
@@ -68,7 +112,9 @@ struct WorkItem {
 // and the G query heads of one KV head, scaled q in qrows [rows][D]. Keys come kChunk positions at a
 // time, with an online softmax, as two small matmuls on register tiles:
 // - scores s [rows][kChunk] = qrows @ kt, kt being the chunk's K transposed to [D][kChunk] once for
-//   all rows, so a tile of kTileRows rows x 2 vectors of positions needs no horizontal sums;
+//   all rows (kLanes x kLanes blocks through registers), so a tile of kTileRows rows x 2 vectors of
+//   positions needs no horizontal sums;
+// - the online softmax on vectors of positions (ExpNonPositive);
 // - acc [rows][D] += p @ V, read in place, a tile of kTileRows rows x 2 vectors of head_dim.
 // Rows are in causal order, so the tiles that see none of a chunk are skipped: no work on masked
 // scores beyond the diagonal's own tiles.
@@ -122,8 +168,11 @@ void ValueTile(const float* p, const KV* const* v, int64_t offset, int n, float*
 template <typename KV>
 void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v_pages, const int32_t* table,
                 int seq_len, int q_start, int q_len, const WorkItem& w, float scale, float* out) {
+  using paged_jax::Vec;
   constexpr int L = paged_jax::kLanes;
   const int64_t D = sh.head_dim, G = sh.num_heads / sh.num_kv_heads, BS = sh.block_size, ss = sh.slot_stride;
+  Vec iota;
+  for (int l = 0; l < L; ++l) iota[l] = (float)l;
   const int64_t block_stride = BS * sh.num_kv_heads * D;
   const int rows = (w.last - w.first) * G;
   const int padded = (rows + kTileRows - 1) / kTileRows * kTileRows;  // padding rows: q = 0, never stored
@@ -146,23 +195,41 @@ void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v
       const int pos = c0 + t;
       const int64_t base = (int64_t)table[pos / BS] * block_stride + w.kv_head * sh.head_stride + pos % BS * ss;
       k_rows[t] = k_pages + base, v_rows[t] = v_pages + base;
-      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = paged_jax::ToFloat(k_rows[t][d]);
     }
-    for (int64_t d = 0; d < D; ++d) std::fill(&kt[d * kChunk + n], &kt[d * kChunk + kChunk], 0.0f);
+    if (D % L == 0) {  // kLanes x kLanes blocks through registers
+      for (int t0 = 0; t0 < kChunk; t0 += L)
+        for (int64_t d0 = 0; d0 < D; d0 += L) {
+          Vec block[L];
+          for (int t = 0; t < L; ++t) block[t] = t0 + t < n ? paged_jax::Load(k_rows[t0 + t] + d0) : Vec{};
+          Transpose(block);
+          for (int d = 0; d < L; ++d) paged_jax::Store(&kt[(d0 + d) * kChunk + t0], block[d]);
+        }
+    } else {
+      for (int t = 0; t < n; ++t)
+        for (int64_t d = 0; d < D; ++d) kt[d * kChunk + t] = paged_jax::ToFloat(k_rows[t][d]);
+      for (int64_t d = 0; d < D; ++d) std::fill(&kt[d * kChunk + n], &kt[d * kChunk + kChunk], 0.0f);
+    }
     for (int r0 = 0; r0 < padded; r0 += kTileRows) {
       if (limit[r0 + kTileRows - 1] < c0) continue;  // the tile sees none of this chunk
       float* st = &s[r0 * kChunk];
       for (int c = 0; c < n; c += 2 * L) ScoreTile(&qrows[r0 * D], &kt[c], D, st + c);
       for (int r = r0; r < r0 + kTileRows; ++r) {  // the online softmax over the positions row r sees
         float* sr = &s[r * kChunk];
-        const int seen = std::clamp(limit[r] - c0 + 1, 0, n);
-        float chunk_max = kNoScore;
-        for (int t = 0; t < seen; ++t) chunk_max = std::max(chunk_max, sr[t]);
-        const float m_new = std::max(m[r], chunk_max), alpha = std::exp(m[r] - m_new);
-        float sum = 0.0f;
-        for (int t = 0; t < seen; ++t) sum += (sr[t] = std::exp(sr[t] - m_new));
-        std::fill(sr + seen, sr + n, 0.0f);
-        l[r] = l[r] * alpha + sum;
+        const float seen = (float)std::clamp(limit[r] - c0 + 1, 0, n);
+        Vec chunk_max = Vec{} + kNoScore;
+        for (int t0 = 0; t0 < n; t0 += L) {
+          const Vec masked = iota + (float)t0 < seen ? paged_jax::Load(sr + t0) : Vec{} + kNoScore;
+          chunk_max = chunk_max > masked ? chunk_max : masked;
+        }
+        const float m_new = std::max(m[r], Max(chunk_max)), alpha = std::exp(m[r] - m_new);
+        Vec sum{};
+        for (int t0 = 0; t0 < n; t0 += L) {  // past n: scores of kt's zero columns, never read
+          const Vec e = ExpNonPositive(paged_jax::Load(sr + t0) - m_new);
+          const Vec kept = iota + (float)t0 < seen ? e : Vec{};
+          paged_jax::Store(sr + t0, kept);
+          sum += kept;
+        }
+        l[r] = l[r] * alpha + paged_jax::Sum(sum);
         m[r] = m_new;
         for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= alpha;
       }
@@ -199,25 +266,6 @@ void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v
 // kMaxBlockSize slots; AttendRows takes every other shape.
 constexpr int kMaxVectors = 16, kMaxBlockSize = 128;
 
-using IntVec = int32_t __attribute__((vector_size(sizeof(paged_jax::Vec))));
-
-// exp(x) for x <= 0, within a few ulp; below -87.3 about 1e-38 rather than 0, nothing beside a
-// softmax sum of at least 1. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-5 polynomial
-// for exp(r), and 2^n made in the exponent bits.
-inline paged_jax::Vec ExpNonPositive(paged_jax::Vec x) {
-  using paged_jax::Vec;
-  x = x < -87.3f ? Vec{} - 87.3f : x;
-  const IntVec n = __builtin_convertvector(x * 1.44269504f - 0.5f, IntVec);  // round(x / ln2): x <= 0
-  const Vec nf = __builtin_convertvector(n, Vec);
-  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln2 in two parts, the first exact in n * it
-  Vec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  return (p * r * r + r + 1.0f) * (Vec)((n + 127) << 23);  // times 2^n, as a bit pattern
-}
-
 constexpr int BitReverse(int i, int bits) {
   int r = 0;
   for (int b = 0; b < bits; ++b) r |= ((i >> b) & 1) << (bits - 1 - b);
@@ -248,12 +296,6 @@ paged_jax::Vec SumLanes(const Parts& parts) {
     return Combine<paged_jax::kLanes / W>(SumLanes<W / 2, J>(parts), SumLanes<W / 2, J + W / 2>(parts),
                                          std::make_integer_sequence<int, paged_jax::kLanes>());
   }
-}
-
-inline float Max(paged_jax::Vec v) {
-  float m = v[0];
-  for (int l = 1; l < paged_jax::kLanes; ++l) m = std::max(m, v[l]);
-  return m;
 }
 
 template <int V, typename KV>
