@@ -49,12 +49,12 @@ class EngineConfig:
     # least 3 prompt tokens per decode; 0: no cap beyond max_num_batched_tokens), so that a long prompt
     # does not stall every decode for a whole long step (scheduler.py; the cap lifts while more than 8
     # requests wait). vLLM's name: vLLM caps each request's chunk; this caps the step, and only while
-    # something decodes. A power of two, so that a capped step fills its bucket (buckets.py). The
-    # default halves the longest steps of W1 at 1 to 4 requests/s without delaying first tokens, and
-    # costs a few percent of throughput at unlimited rate (a replay on step times measured with
-    # scripts/measure_step_time.py; 128 cut the tails further but delayed first tokens at 4/s).
+    # something decodes. The default takes W1's prompts (up to 512 tokens) whole: since the C++
+    # matmuls skip a step's padding, one step of a whole prompt gave first tokens sooner than 256
+    # (W1 served at 1, 2, 4 requests/s, AMD EPYC: TTFT median 203 / 223 / 268 ms against 207 / 235 /
+    # 299), while ITL p99 rose from 141 / 169 / 171 to 163 / 241 / 298 ms, still below vLLM's.
     long_prefill_token_threshold: int = _option(
-        256, "a step's tokens while sequences decode, prompts filling the rest (0: no cap)")
+        512, "a step's tokens while sequences decode, prompts filling the rest (0: no cap)")
     # A prompt that cannot finish in this step waits while that many are part-way; 1 finishes prompts
     # one at a time, first come first, which gives the earliest first tokens.
     max_num_partial_prefills: int = _option(1, "most prompts part-way through their prefill at once")

@@ -81,8 +81,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, model_config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
+        # The C++ matmuls compute a step's real tokens only (models/llama.py), so its padding costs
+        # little, and a prompt chunk cut to fill its bucket would only add a step.
+        padding_costs = self.resolved.matmul_backend != "cpu"
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner,
-                                   token_buckets=tuple(self.resolved.buckets.token_buckets()))
+                                   token_buckets=tuple(self.resolved.buckets.token_buckets()) if padding_costs else ())
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
         self._requests: dict[str, Request] = {}
