@@ -7,11 +7,11 @@ float32 q, as a bfloat16 KV cache under float32 weights runs).
     python scripts/bench_attention_cpu.py --layout head_major --block-size 64   # the engine's CPU pages
 
 Each scenario is a step shaped as the engine shapes one (token, sequence and block-table widths
-bucketed to powers of two as the engine does (paged_jax/core/buckets.py), decode rows first, pages in random order), and
-every variant runs on the same inputs, interleaved, so a noisy machine slows them alike. Prints the median time of each,
-its error against the reference, and the time to read the step's live K/V once at the machine's
-measured read rate (the memory-bandwidth floor). For decode scenarios the 2-page chunked scan measured earlier is a third
-column.
+bucketed to powers of two as the engine does (paged_jax/core/buckets.py), decode rows first, pages in
+random order), and every variant runs on the same inputs, interleaved, so a noisy machine slows them
+alike. Prints the median time of each, its error against the reference, and the time to read the
+step's live K/V once at the machine's measured read rate (the memory-bandwidth floor). For decode
+scenarios the 2-page chunked scan measured earlier is a third column.
 """
 
 import argparse
@@ -139,7 +139,8 @@ def main():
     print(machine.one_line(machine.describe()))
     bandwidth = machine_peaks.memory_bandwidth_gbs() * 1e9
     print(f"one layer: {args.num_heads} heads / {args.num_kv_heads} KV heads, head_dim {args.head_dim},"
-          f" {args.layout} blocks of {args.block_size}, {args.dtype}; memory read at {bandwidth / 1e9:.0f} GB/s; medians of {5 * args.rounds} calls (ms)")
+          f" {args.layout} blocks of {args.block_size}, {args.dtype}; memory read at {bandwidth / 1e9:.0f} GB/s;"
+          f" medians of {5 * args.rounds} calls (ms)")
     print(f"{'scenario':>34} {'floor':>6} {'reference':>10} {'xla':>8} {'speedup':>8} {'chunked-2':>10} {'cpu':>8}"
           "  rel err")
     for scenario in scenarios(rng):

@@ -73,6 +73,13 @@ inline paged_jax::Vec ExpNonPositive(paged_jax::Vec x) {
   return (p * r * r + r + 1.0f) * (Vec)((n + 127) << 23);  // times 2^n, as a bit pattern
 }
 
+// first, first + 1, ..., first + kLanes - 1: the positions a vector's lanes stand for, for masks.
+inline paged_jax::Vec LanePositions(int first) {
+  paged_jax::Vec lanes;
+  for (int l = 0; l < paged_jax::kLanes; ++l) lanes[l] = (float)l;
+  return lanes + (float)first;
+}
+
 inline float Max(paged_jax::Vec v) {
   float m = v[0];
   for (int l = 1; l < paged_jax::kLanes; ++l) m = std::max(m, v[l]);
@@ -171,8 +178,6 @@ void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v
   using paged_jax::Vec;
   constexpr int L = paged_jax::kLanes;
   const int64_t D = sh.head_dim, G = sh.num_heads / sh.num_kv_heads, BS = sh.block_size, ss = sh.slot_stride;
-  Vec iota;
-  for (int l = 0; l < L; ++l) iota[l] = (float)l;
   const int64_t block_stride = BS * sh.num_kv_heads * D;
   const int rows = (w.last - w.first) * G;
   const int padded = (rows + kTileRows - 1) / kTileRows * kTileRows;  // padding rows: q = 0, never stored
@@ -218,14 +223,14 @@ void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v
         const float seen = (float)std::clamp(limit[r] - c0 + 1, 0, n);
         Vec chunk_max = Vec{} + kNoScore;
         for (int t0 = 0; t0 < n; t0 += L) {
-          const Vec masked = iota + (float)t0 < seen ? paged_jax::Load(sr + t0) : Vec{} + kNoScore;
+          const Vec masked = LanePositions(t0) < seen ? paged_jax::Load(sr + t0) : Vec{} + kNoScore;
           chunk_max = chunk_max > masked ? chunk_max : masked;
         }
         const float m_new = std::max(m[r], Max(chunk_max)), alpha = std::exp(m[r] - m_new);
         Vec sum{};
         for (int t0 = 0; t0 < n; t0 += L) {  // past n: scores of kt's zero columns, never read
           const Vec e = ExpNonPositive(paged_jax::Load(sr + t0) - m_new);
-          const Vec kept = iota + (float)t0 < seen ? e : Vec{};
+          const Vec kept = LanePositions(t0) < seen ? e : Vec{};
           paged_jax::Store(sr + t0, kept);
           sum += kept;
         }
@@ -307,8 +312,6 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
   constexpr int64_t kLinesPerRow = std::max<int64_t>(1, D * sizeof(KV) / 64);  // of 64 bytes
   const int64_t BS = sh.block_size, H = sh.num_kv_heads, G = sh.num_heads / H;
   const int64_t ss = sh.slot_stride, hs = sh.head_stride, block_stride = BS * H * D;
-  Vec iota;
-  for (int l = 0; l < L; ++l) iota[l] = (float)l;
   // Per query head r = h * G + g: its accumulator, running max and sum; p: one block's scores, then
   // their exps.
   std::vector<float> acc(H * G * D, 0.0f), m(H * G, kNoScore), l(H * G, 0.0f);
@@ -340,7 +343,7 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
             for (int v = 1; v < V; ++v) dot += qv[v] * Load(row + v * L);
             return dot;
           });
-          const Vec masked = iota + (float)t0 < (float)n ? s : Vec{} + kNoScore;
+          const Vec masked = LanePositions(t0) < (float)n ? s : Vec{} + kNoScore;
           paged_jax::Store(p + t0, masked);
           block_max = block_max > masked ? block_max : masked;
         }
@@ -348,7 +351,7 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
         Vec sum{};
         for (int t0 = 0; t0 < n; t0 += L) {
           const Vec e = ExpNonPositive(Load(p + t0) - m_new);
-          const Vec kept = iota + (float)t0 < (float)n ? e : Vec{};  // masked lanes: exactly 0
+          const Vec kept = LanePositions(t0) < (float)n ? e : Vec{};  // masked lanes: exactly 0
           paged_jax::Store(p + t0, kept);
           sum += kept;
         }
