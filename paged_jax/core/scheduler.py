@@ -14,10 +14,13 @@ step). Prompts are held back for latency (with chunked prefill): while sequences
 backlog has built up, a step carries prompt tokens up to long_prefill_token_threshold tokens in all
 (at least 3 per decode, so that prompts keep coming in as fast as requests finish), so that a decode
 waits for a short step and not for a whole long prompt; and a prompt that cannot finish in this step
-is admitted only while fewer than max_num_partial_prefills prompts are part-way through theirs. Each
-part-way prompt still gets the prompt tokens first in its turn, so it finishes. Given the engine's token
-buckets, a prompt chunk is cut where that makes its step fill a bucket instead of padding up to the next
-(step_budget.fit_bucket).
+is admitted only while fewer than max_num_partial_prefills prompts are part-way through theirs. Two
+rules keep that from costing first tokens more than it spares decodes (step_budget.py): a prompt
+only a little over the cap finishes in its step rather than leave its last tokens a step of their
+own, and a long prompt does not join a step in which another prompt ends (it would delay that one's
+first token by its whole length). Each part-way prompt still gets the prompt tokens first in its turn,
+so it finishes. Given the engine's token buckets, a prompt chunk is cut where that makes its step fill
+a bucket instead of padding up to the next (step_budget.fit_bucket).
 
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
@@ -156,8 +159,8 @@ class Scheduler:
     def _num_new_tokens(self, seq: Sequence, budget: StepBudget) -> int:
         """Tokens to compute for seq this step, 0 if it cannot run now."""
         remaining = seq.num_computable_tokens - seq.num_computed_tokens
-        allowed = budget.for_prompt() if remaining > 1 else budget.tokens
-        if remaining <= allowed:
+        allowed = budget.for_prompt(remaining) if remaining > 1 else min(budget.tokens, remaining)
+        if remaining == allowed:
             return remaining
         return allowed if self.config.enable_chunked_prefill else 0
 
@@ -218,8 +221,9 @@ class Scheduler:
             num_new = self._fit(seq, num_new, budget, after=0)
         need = self._blocks_for(num_computed + num_new) - len(cached)
         partial = num_computed + num_new < seq.num_computable_tokens
+        first_tokens = sum(s.samples and s.num_new_tokens > 1 for s in out.scheduled)
         if (num_new == 0 or (partial and self._num_partial_prefills(out) >= self.config.max_num_partial_prefills)
-                or not self.blocks.can_allocate(need, keep=cached)):
+                or budget.delays_first_tokens(num_new, first_tokens) or not self.blocks.can_allocate(need, keep=cached)):
             seq.num_computed_tokens = 0
             return 0
         self.blocks.share(cached)

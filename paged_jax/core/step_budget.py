@@ -1,7 +1,8 @@
 """A step's token budget: max_num_batched_tokens in all, and while sequences decode, the share of it
 that prompts may take (long_prefill_token_threshold), so that a decode waits for a short step rather
-than for a whole long prompt (scheduler.py spends it); and a prompt chunk cut to fill its step's token
-bucket rather than pad it (fit_bucket).
+than for a whole long prompt (scheduler.py spends it), without cutting a prompt's last few tokens into
+a step of their own or holding a first token back for another prompt's tokens; and a prompt chunk cut
+to fill its step's token bucket rather than pad it (fit_bucket).
 """
 
 import bisect
@@ -41,8 +42,30 @@ class StepBudget:
     def __init__(self, tokens: int, prompt_tokens: int | None, decodes: int):
         self.tokens, self.prompt_tokens, self.decodes = tokens, prompt_tokens, decodes
 
-    def for_prompt(self) -> int:
-        return self.tokens if self.prompt_tokens is None else min(self.tokens, self.prompt_tokens)
+    def for_prompt(self, remaining: int) -> int:
+        """Tokens a prompt with `remaining` left to compute may take now. Past the prompt share it still
+        takes them all when the overshoot is less than the step of its own that its last few tokens
+        would cost its first token (the decodes would compute them in that step instead: cutting them
+        off shortens this step but spares nobody anything)."""
+        if self.prompt_tokens is None:
+            return min(self.tokens, remaining)
+        allowed = max(0, min(self.tokens, self.prompt_tokens))  # an overshoot leaves the share below 0
+        if remaining - allowed <= self.own_step_tokens() and remaining <= self.tokens:
+            return remaining
+        return min(allowed, remaining)
+
+    def own_step_tokens(self) -> int:
+        """In tokens, the least that a step of its own costs a prompt's first token: the step's overhead
+        and the decodes that run in it."""
+        return STEP_OVERHEAD_TOKENS + self.decodes
+
+    def delays_first_tokens(self, num_new: int, first_tokens: int) -> bool:
+        """Whether a prompt chunk of num_new tokens, joining a step in which first_tokens prompts end
+        (each sampling its first token when the step ends), should wait for the next step instead:
+        while sequences decode (prompts capped), when what it adds to their waits is more than what it
+        saves itself by not waiting for a step of its own. The decodes wait for its tokens in this step
+        or the next alike."""
+        return self.prompt_tokens is not None and first_tokens * num_new > self.own_step_tokens()
 
     def spend(self, seq: Sequence, num_new: int) -> None:
         """seq was given num_new tokens; whether they count as prompt tokens is told by what it had left

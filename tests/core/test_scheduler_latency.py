@@ -9,7 +9,7 @@ from paged_jax import EngineConfig, SamplingParams
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.scheduler import Scheduler, SchedulerOutput
 from paged_jax.core.sequence import Sequence
-from paged_jax.core.step_budget import fit_bucket
+from paged_jax.core.step_budget import STEP_OVERHEAD_TOKENS, fit_bucket
 
 
 def make_seq(seq_id: int, prompt_len: int, max_tokens: int, **params) -> Sequence:
@@ -57,11 +57,57 @@ def test_a_long_prompt_beside_decodes_comes_in_small_steps_and_finishes(threshol
     while long.status.name != "FINISHED":
         out = scheduler.schedule()
         assert decodes(out) == 4, "the decodes run every step"
-        # The step's tokens stay at the threshold: the prompt fills what the decodes leave.
-        assert prompt_tokens(out) == min(threshold - 4, long.num_computable_tokens - long.num_computed_tokens)
+        # The step's tokens stay at the threshold: the prompt fills what the decodes leave, or takes
+        # all it has left when that is less over than a step of its own would cost.
+        left = long.num_computable_tokens - long.num_computed_tokens
+        assert prompt_tokens(out) == (left if left <= threshold - 4 + STEP_OVERHEAD_TOKENS + 4 else threshold - 4)
         run_step(scheduler, out)
         steps += 1
-    assert steps == -(-1500 // (threshold - 4))
+    assert steps == (1500 - STEP_OVERHEAD_TOKENS - 5) // (threshold - 4) + 1
+
+
+def test_a_prompt_just_over_the_cap_finishes_in_one_step():
+    """W1 at 1 request/s: a 511-token prompt beside 4 decodes, cut at 508, waited a whole second step
+    (with the next prompt in it) for its last 3 tokens."""
+    scheduler = scheduler_for(long_prefill_token_threshold=512, max_num_batched_tokens=1024)
+    for i in range(4):
+        scheduler.add(make_seq(i, 20, max_tokens=1000))
+    run_step(scheduler, scheduler.schedule())
+    scheduler.add(make_seq(9, 511, max_tokens=4))
+    out = scheduler.schedule()
+    assert decodes(out) == 4 and prompt_tokens(out) == 511
+    scheduler.add(make_seq(10, 600, max_tokens=4))
+    run_step(scheduler, out)
+    out = scheduler.schedule()
+    assert decodes(out) == 5 and prompt_tokens(out) == 512 - 5, "well over the cap, a prompt is cut"
+
+
+def test_a_long_prompt_waits_for_the_step_after_one_that_ends_another_prompt():
+    """While sequences decode, a step that ends a prompt (its first token) takes no long prompt beside
+    it: that prompt's tokens would delay the first token by more than the step of its own costs it."""
+    scheduler = scheduler_for(long_prefill_token_threshold=512, max_num_batched_tokens=1024)
+    for i in range(4):
+        scheduler.add(make_seq(i, 20, max_tokens=1000))
+    run_step(scheduler, scheduler.schedule())
+    for i, length in enumerate((200, 250, 10)):
+        scheduler.add(make_seq(10 + i, length, max_tokens=4))
+    out = scheduler.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled if s.num_new_tokens > 1] == [(10, 200)]
+    run_step(scheduler, out)
+    out = scheduler.schedule()  # 10 tokens delay one first token by less than a step: they join
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled if s.num_new_tokens > 1] == [(11, 250), (12, 10)]
+
+
+def test_with_nothing_decoding_or_a_backlog_prompts_share_steps():
+    for decoding, waiting in ((0, 3), (4, 9)):
+        scheduler = scheduler_for(long_prefill_token_threshold=512, max_num_batched_tokens=1024)
+        for i in range(decoding):
+            scheduler.add(make_seq(i, 20, max_tokens=1000))
+        if decoding:
+            run_step(scheduler, scheduler.schedule())
+        for i in range(waiting):
+            scheduler.add(make_seq(10 + i, 100, max_tokens=4))
+        assert prompt_tokens(scheduler.schedule()) > 100
 
 
 def test_nothing_decoding_leaves_the_whole_budget_to_prompts():
