@@ -45,12 +45,18 @@ def scheduler_for(**options) -> Scheduler:
     return Scheduler(config, BlockManager(4096, 16, enable_prefix_caching=False, numpy_pool=True))
 
 
+def decoding(num_seqs: int, **options) -> Scheduler:
+    """A scheduler (scheduler_for's) with num_seqs short requests decoding, their prompts done in one step."""
+    scheduler = scheduler_for(**options)
+    for i in range(num_seqs):
+        scheduler.add(make_seq(i, 20, max_tokens=1000))
+    run_step(scheduler, scheduler.schedule())
+    return scheduler
+
+
 @pytest.mark.parametrize("threshold", [64, 128])
 def test_a_long_prompt_beside_decodes_comes_in_small_steps_and_finishes(threshold):
-    scheduler = scheduler_for(long_prefill_token_threshold=threshold)
-    for i in range(4):
-        scheduler.add(make_seq(i, 20, max_tokens=1000))
-    run_step(scheduler, scheduler.schedule())  # the four short prompts in one step
+    scheduler = decoding(4, long_prefill_token_threshold=threshold)
     long = make_seq(9, 1500, max_tokens=1)
     scheduler.add(long)
     steps = 0
@@ -69,10 +75,7 @@ def test_a_long_prompt_beside_decodes_comes_in_small_steps_and_finishes(threshol
 def test_a_prompt_just_over_the_cap_finishes_in_one_step():
     """W1 at 1 request/s: a 511-token prompt beside 4 decodes, cut at 508, waited a whole second step
     (with the next prompt in it) for its last 3 tokens."""
-    scheduler = scheduler_for(long_prefill_token_threshold=512, max_num_batched_tokens=1024)
-    for i in range(4):
-        scheduler.add(make_seq(i, 20, max_tokens=1000))
-    run_step(scheduler, scheduler.schedule())
+    scheduler = decoding(4, long_prefill_token_threshold=512, max_num_batched_tokens=1024)
     scheduler.add(make_seq(9, 511, max_tokens=4))
     out = scheduler.schedule()
     assert decodes(out) == 4 and prompt_tokens(out) == 511
@@ -85,10 +88,7 @@ def test_a_prompt_just_over_the_cap_finishes_in_one_step():
 def test_a_long_prompt_waits_for_the_step_after_one_that_ends_another_prompt():
     """While sequences decode, a step that ends a prompt (its first token) takes no long prompt beside
     it: that prompt's tokens would delay the first token by more than the step of its own costs it."""
-    scheduler = scheduler_for(long_prefill_token_threshold=512, max_num_batched_tokens=1024)
-    for i in range(4):
-        scheduler.add(make_seq(i, 20, max_tokens=1000))
-    run_step(scheduler, scheduler.schedule())
+    scheduler = decoding(4, long_prefill_token_threshold=512, max_num_batched_tokens=1024)
     for i, length in enumerate((200, 250, 10)):
         scheduler.add(make_seq(10 + i, length, max_tokens=4))
     out = scheduler.schedule()
@@ -99,12 +99,8 @@ def test_a_long_prompt_waits_for_the_step_after_one_that_ends_another_prompt():
 
 
 def test_with_nothing_decoding_or_a_backlog_prompts_share_steps():
-    for decoding, waiting in ((0, 3), (4, 9)):
-        scheduler = scheduler_for(long_prefill_token_threshold=512, max_num_batched_tokens=1024)
-        for i in range(decoding):
-            scheduler.add(make_seq(i, 20, max_tokens=1000))
-        if decoding:
-            run_step(scheduler, scheduler.schedule())
+    for num_decoding, waiting in ((0, 3), (4, 9)):
+        scheduler = decoding(num_decoding, long_prefill_token_threshold=512, max_num_batched_tokens=1024)
         for i in range(waiting):
             scheduler.add(make_seq(10 + i, 100, max_tokens=4))
         assert prompt_tokens(scheduler.schedule()) > 100
@@ -181,10 +177,7 @@ def test_a_step_never_holds_more_than_max_num_seqs_and_forks_all_run():
 
 
 def test_a_backlog_lifts_the_cap():
-    scheduler = scheduler_for(long_prefill_token_threshold=64, max_num_partial_prefills=4)
-    for i in range(4):
-        scheduler.add(make_seq(i, 20, max_tokens=1000))
-    run_step(scheduler, scheduler.schedule())
+    scheduler = decoding(4, long_prefill_token_threshold=64, max_num_partial_prefills=4)
     for i in range(9):  # more than the backlog the cap allows
         scheduler.add(make_seq(10 + i, 300, max_tokens=1))
     out = scheduler.schedule()
