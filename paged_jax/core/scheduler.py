@@ -221,9 +221,8 @@ class Scheduler:
             num_new = self._fit(seq, num_new, budget, after=0)
         need = self._blocks_for(num_computed + num_new) - len(cached)
         partial = num_computed + num_new < seq.num_computable_tokens
-        first_tokens = sum(s.samples and s.num_new_tokens > 1 for s in out.scheduled)
         if (num_new == 0 or (partial and self._num_partial_prefills(out) >= self.config.max_num_partial_prefills)
-                or budget.delays_first_tokens(num_new, first_tokens) or not self.blocks.can_allocate(need, keep=cached)):
+                or budget.delays_first_tokens(num_new) or not self.blocks.can_allocate(need, keep=cached)):
             seq.num_computed_tokens = 0
             return 0
         self.blocks.share(cached)

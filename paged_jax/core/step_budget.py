@@ -36,11 +36,13 @@ def prompt_cap(config: EngineConfig, num_decoding: int, num_waiting: int) -> int
 
 
 class StepBudget:
-    """What is left of a step's tokens, and of the share of them prompts may take (None: all); and how
-    many sequences decode in the step."""
+    """What is left of a step's tokens, and of the share of them prompts may take (None: all); how
+    many sequences decode in the step, and how many prompts end in it so far (each sampling its first
+    token when the step ends)."""
 
     def __init__(self, tokens: int, prompt_tokens: int | None, decodes: int):
         self.tokens, self.prompt_tokens, self.decodes = tokens, prompt_tokens, decodes
+        self.first_tokens = 0
 
     def for_prompt(self, remaining: int) -> int:
         """Tokens a prompt with `remaining` left to compute may take now. Past the prompt share it still
@@ -52,27 +54,28 @@ class StepBudget:
         allowed = max(0, min(self.tokens, self.prompt_tokens))  # an overshoot leaves the share below 0
         if remaining - allowed <= self.own_step_tokens() and remaining <= self.tokens:
             return remaining
-        return min(allowed, remaining)
+        return allowed
 
     def own_step_tokens(self) -> int:
         """In tokens, the least that a step of its own costs a prompt's first token: the step's overhead
         and the decodes that run in it."""
         return STEP_OVERHEAD_TOKENS + self.decodes
 
-    def delays_first_tokens(self, num_new: int, first_tokens: int) -> bool:
-        """Whether a prompt chunk of num_new tokens, joining a step in which first_tokens prompts end
-        (each sampling its first token when the step ends), should wait for the next step instead:
-        while sequences decode (prompts capped), when what it adds to their waits is more than what it
-        saves itself by not waiting for a step of its own. The decodes wait for its tokens in this step
-        or the next alike."""
-        return self.prompt_tokens is not None and first_tokens * num_new > self.own_step_tokens()
+    def delays_first_tokens(self, num_new: int) -> bool:
+        """Whether a prompt chunk of num_new tokens, joining a step in which prompts end, should wait for
+        the next step instead: while sequences decode (prompts capped), when what it adds to their first
+        tokens' waits is more than what it saves itself by not waiting for a step of its own. The
+        decodes wait for its tokens in this step or the next alike."""
+        return self.prompt_tokens is not None and self.first_tokens * num_new > self.own_step_tokens()
 
     def spend(self, seq: Sequence, num_new: int) -> None:
         """seq was given num_new tokens; whether they count as prompt tokens is told by what it had left
         (more than one token: a prompt, or a preempted sequence computing its tokens again)."""
         self.tokens -= num_new
-        if self.prompt_tokens is not None and seq.num_computable_tokens - seq.num_computed_tokens > 1:
-            self.prompt_tokens -= num_new
+        if seq.num_computable_tokens - seq.num_computed_tokens > 1:
+            if self.prompt_tokens is not None:
+                self.prompt_tokens -= num_new
+            self.first_tokens += num_new > 1 and seq.num_computed_tokens + num_new == seq.num_tokens
 
 
 def fit_bucket(num_new: int, before: int, after: int, buckets: Buckets[int], then: int | None = None) -> int:
