@@ -21,6 +21,12 @@ sampler), both read from the trace. Prefill is rated in GFLOP/s (model FLOPs of 
 decode in GB/s (weights + the K/V the step reads), against a matmul peak and a memory bandwidth
 measured in the same process (machine_peaks.py). The trace slows steps a little: the profiled run's tokens/s is reported
 beside the profile so that the distortion shows.
+
+Each group also gets a floor: the least time its steps could take on this machine, whatever the code.
+A step's matmuls take their FLOPs at the matmul peak or their weights read once at the bandwidth,
+whichever is longer; its attention reads each row's K/V once at the bandwidth or does its FLOPs at
+the peak, whichever is longer; nothing else (norms, the sampler, the host) costs anything. The
+measured time over the floor says how much any kernel, fusion or scheduling work could still gain.
 """
 
 import collections
@@ -158,6 +164,14 @@ def _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak,
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.state))
     kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * itemsize
 
+    matmul_flops = lambda s: 2 * c.num_layers * per_layer * s.tokens + 2 * c.vocab_size * c.hidden_size * s.seqs
+    attention_flops = lambda s: 4 * c.num_layers * c.num_heads * c.head_dim * s.attention_pairs
+    peak, read_rate = matmul_peak * 1e9, bandwidth * 1e9
+
+    def floor(s: _Step) -> float:
+        return (max(matmul_flops(s) / peak, weight_bytes / read_rate)
+                + max(kv_bytes_per_token * s.context_tokens / read_rate, attention_flops(s) / peak))
+
     groups = collections.defaultdict(list)
     for step, parts in zip(steps, per_step):
         groups[(step.kind, step.bucket)].append((step, parts))
@@ -168,12 +182,10 @@ def _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak,
         row = dict(kind=kind, bucket=("T=" if kind == "prefill" else "S=") + str(group), steps=len(members),
                    seconds=round(wall, 3), ms_per_step=round(1e3 * statistics.mean(s.wall_s for s, _ in members), 2),
                    parts_s={p: round(v, 6) for p, v in parts.items()},
-                   tokens=sum(s.tokens for s, _ in members))
-        flops = sum(2 * c.num_layers * per_layer * s.tokens + 2 * c.vocab_size * c.hidden_size * s.seqs
-                    + 4 * c.num_layers * c.num_heads * c.head_dim * s.attention_pairs for s, _ in members)
-        row["gflops"] = round(flops / wall / 1e9, 1)
-        row["matmul_gflops"] = round(sum(2 * c.num_layers * per_layer * s.tokens + 2 * c.vocab_size * c.hidden_size
-                                         * s.seqs for s, _ in members) / max(parts["matmul"], 1e-9) / 1e9, 1)
+                   tokens=sum(s.tokens for s, _ in members),
+                   floor_s=round(sum(floor(s) for s, _ in members), 9))
+        row["gflops"] = round(sum(matmul_flops(s) + attention_flops(s) for s, _ in members) / wall / 1e9, 1)
+        row["matmul_gflops"] = round(sum(matmul_flops(s) for s, _ in members) / max(parts["matmul"], 1e-9) / 1e9, 1)
         read = sum(weight_bytes + kv_bytes_per_token * s.context_tokens for s, _ in members)
         row["gbs"] = round(read / wall / 1e9, 2)
         row["kv_gbs_in_attention"] = round(sum(kv_bytes_per_token * s.context_tokens for s, _ in members)
@@ -191,6 +203,7 @@ def _summarise(engine, steps, per_step, windows, elapsed, produced, matmul_peak,
         "other_steps_s": round(sum(w for w, model in windows if not model), 3),
         "parts_s": totals,
         "parts_sum_s": round(sum(totals.values()), 6),
+        "floor_s": round(sum(floor(s) for s in steps), 9),
         "matmul_peak_gflops": round(matmul_peak, 1),
         "memory_bandwidth_gbs": round(bandwidth, 2),
         "weight_bytes": weight_bytes,
@@ -211,8 +224,10 @@ def format_profile(profile: dict) -> str:
         f"measured here: matmul peak {p['matmul_peak_gflops']} GFLOP/s, memory read {p['memory_bandwidth_gbs']} GB/s; "
         f"weights {p['weight_bytes'] / 1e6:.0f} MB, K/V {p['kv_bytes_per_token'] / 1e3:.1f} kB per token",
         f"all model steps: {share(p['parts_s'])}",
+        f"floor (matmuls at the peak or weights at the read rate, K/V read once, nothing else): {p['floor_s']:.2f} s, "
+        f"measured {total / max(p['floor_s'], 1e-9):.2f}x it",
         "",
-        f"{'group':<15}{'steps':>6}{'s':>8}{'ms/step':>9}  {'parts of the time':<68}rate",
+        f"{'group':<15}{'steps':>6}{'s':>8}{'ms/step':>9}{'x floor':>8}  {'parts of the time':<68}rate",
     ]
     for row in p["groups"]:
         if row["kind"] == "prefill":
@@ -220,5 +235,6 @@ def format_profile(profile: dict) -> str:
         else:
             rate = f"{row['gbs']} GB/s (K/V in attention {row['kv_gbs_in_attention']})"
         lines.append(f"{row['kind'] + ' ' + row['bucket']:<15}{row['steps']:>6}{row['seconds']:>8.2f}"
-                     f"{row['ms_per_step']:>9.1f}  {share(row['parts_s']):<68}{rate}")
+                     f"{row['ms_per_step']:>9.1f}{row['seconds'] / max(row['floor_s'], 1e-9):>8.2f}  "
+                     f"{share(row['parts_s']):<68}{rate}")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
 import bench_peers  # noqa: E402
@@ -42,4 +43,9 @@ def test_rounds_ratios_agreement_a_precision_row_and_a_profile_that_adds_up(tiny
     assert abs(profile["parts_sum_s"] - profile["model_steps_s"]) <= 0.05 * profile["model_steps_s"] + 0.005
     for group in profile["groups"]:
         assert abs(sum(group["parts_s"].values()) - group["seconds"]) <= 0.05 * group["seconds"] + 0.005
+        # A tiny model is far from this machine's limits, but its steps still read every weight once.
+        assert profile["weight_bytes"] / (profile["memory_bandwidth_gbs"] * 1e9) * group["steps"] <= group["floor_s"] * 1.001
+        assert group["floor_s"] < group["seconds"]
+    groups = profile["groups"]
+    assert profile["floor_s"] == pytest.approx(sum(g["floor_s"] for g in groups), abs=1e-9 * len(groups))
     assert {g["kind"] for g in profile["groups"]} == {"prefill", "decode"}
