@@ -36,14 +36,19 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], sharding: tuple, dtype)
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=sharding, eager_sharding=False)
 
 
-def _linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool, rows=None) -> jax.Array:
+def _linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool, rows=None,
+            panels: jax.Array | None = None, onednn_rows: int = 0) -> jax.Array:
     """x: [num_tokens, K] @ w -> [num_tokens, *out_shape]. w is [K, *out_shape], or where packed its
     column panels (cpu_kernel.pack_columns of w as [K, N]; int8 ones: pack_int8), multiplied by the
     C++ kernel, which computes only the leading `rows` rows (int32 scalar: the step's real tokens;
-    None: all) and gives zeros for the padding after them."""
+    None: all) and gives zeros for the padding after them. panels: the same weight in oneDNN's layout
+    (cpu_kernel.pack_panels), which a step of at least onednn_rows tokens multiplies by instead."""
     if not packed:
         return jnp.tensordot(x, w, axes=1)
-    linear = cpu_kernel.linear_int8_cpu if w.dtype == jnp.int8 else cpu_kernel.linear_cpu
+    if panels is not None and onednn_rows and x.shape[0] >= onednn_rows:
+        linear, w = cpu_kernel.linear_onednn_cpu, panels
+    else:
+        linear = cpu_kernel.linear_int8_cpu if w.dtype == jnp.int8 else cpu_kernel.linear_cpu
     with jax.named_scope("matmul"):  # the profile's name for it (paged_jax/research/step_profile.py)
         return linear(x, w, math.prod(out_shape), rows).reshape(x.shape[0], *out_shape)
 
@@ -52,6 +57,10 @@ def _pack(param: nnx.Param, weight: jax.Array, pack=cpu_kernel.pack_columns) -> 
     """Hold weight [K, *out] packed, for _linear; packed weights are never split over devices."""
     param.set_value(pack(weight.reshape(weight.shape[0], -1)))
     param.set_metadata(out_sharding=(None,) * 3)
+
+
+def _value(param: nnx.Param | None) -> jax.Array | None:
+    return None if param is None else param[...]
 
 
 _normal = jax.nn.initializers.normal(0.02)
@@ -82,6 +91,9 @@ class Attention(nnx.Module):
                                    (TP_AXIS, None, None), dtype)
         self.o = _param(rngs, _normal, (c.num_heads * c.head_dim, c.hidden_size), (TP_AXIS, None), dtype)
         self.packed = False
+        self.onednn_rows = 0  # as MLP's
+        self.qkv_panels: nnx.Param | None = nnx.data(None)
+        self.o_panels: nnx.Param | None = nnx.data(None)
 
     def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str,
                  kv_layout: str, mesh=None):
@@ -94,7 +106,8 @@ class Attention(nnx.Module):
         c = self.config
         g = c.group_size
         rows = metadata.query_start_loc[-1]  # the real tokens, before the bucket's padding
-        qkv = _linear(x, self.qkv[...], (c.num_kv_heads, g + 2, c.head_dim), self.packed, rows)
+        qkv = _linear(x, self.qkv[...], (c.num_kv_heads, g + 2, c.head_dim), self.packed, rows,
+                      _value(self.qkv_panels), self.onednn_rows)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...]
         qk = rope.apply(qkv[:, :, : g + 1], cos, sin)  # q and k rotate together: one fused op
@@ -111,7 +124,9 @@ class Attention(nnx.Module):
             return out, k_pages, v_pages
 
         out, k_pages, v_pages = per_kv_head(attend, mesh, kv_layout)(q, k, v, k_pages, v_pages, metadata)
-        return _linear(out.reshape(x.shape[0], -1), self.o[...], (c.hidden_size,), self.packed, rows), k_pages, v_pages
+        out = _linear(out.reshape(x.shape[0], -1), self.o[...], (c.hidden_size,), self.packed, rows,
+                      _value(self.o_panels), self.onednn_rows)
+        return out, k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -121,14 +136,18 @@ class MLP(nnx.Module):
         self.down = _param(rngs, _normal, (c.intermediate_size, c.hidden_size), (TP_AXIS, None), dtype)
         self.config = c
         self.packed = False
+        self.onednn_rows = 0  # pack_for_cpu's: steps of this many tokens and more multiply through oneDNN
+        self.gate_up_panels: nnx.Param | None = nnx.data(None)
+        self.down_panels: nnx.Param | None = nnx.data(None)
 
     def __call__(self, x: jax.Array, rows=None) -> jax.Array:
         """x: [num_tokens, hidden] -> [num_tokens, hidden]; SwiGLU. rows: int32 scalar, the leading rows
         that are real tokens (the packed matmuls skip the rest), or None: all."""
         c = self.config
-        gate_up = _linear(x, self.gate_up[...], (2, c.intermediate_size), self.packed, rows)
+        gate_up = _linear(x, self.gate_up[...], (2, c.intermediate_size), self.packed, rows,
+                          _value(self.gate_up_panels), self.onednn_rows)
         return _linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...], (c.hidden_size,), self.packed,
-                       rows)
+                       rows, _value(self.down_panels), self.onednn_rows)
 
 
 class DecoderLayer(nnx.Module):
@@ -232,7 +251,7 @@ class LlamaForCausalLM(nnx.Module):
             return jnp.einsum("th,vh->tv", x, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("th,hv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
-    def pack_for_cpu(self, quantization: str | None = None) -> "LlamaForCausalLM":
+    def pack_for_cpu(self, quantization: str | None = None, onednn_rows: int = 0) -> "LlamaForCausalLM":
         """A copy of the model whose matmul weights are packed in column panels for the C++ CPU matmul
         (kernels_pallas/cpu/linear.cc): XLA's dot repacks its weight on every call, which took most of a
         decode step's matmul time. Float32, one device (the weights are not split); this model is
@@ -242,13 +261,25 @@ class LlamaForCausalLM(nnx.Module):
         (cpu_kernel.pack_int8) for the int8 matmul (linear_int8.cc); the embedding stays float32 for its
         lookup (a tied one is then held twice, +28 MB for SmolLM2). A float32 lm_head was half of what an
         int8 decode step read (113 of 221 MB); quantized, W1 ran about 5% faster offline and the
-        perplexity of scripts/eval_precision.py rose from +1.06% to +1.59% against float32's."""
+        perplexity of scripts/eval_precision.py rose from +1.06% to +1.59% against float32's.
+
+        onednn_rows > 0 (float32 only): the layers' weights are also held in oneDNN's layout
+        (cpu_kernel.pack_panels), and steps of at least onednn_rows tokens multiply through oneDNN
+        (kernels_pallas/cpu/onednn_linear.cc), faster than the C++ matmul on prefill-sized row counts;
+        the layers' weights are then held twice (+425 MB for SmolLM2)."""
+        if onednn_rows and quantization is not None:
+            raise ValueError("the oneDNN matmul runs float32 weights, not quantized ones")
         model = nnx.clone(self)  # new modules and variables, over the same arrays until packed
         pack = cpu_kernel.pack_int8 if quantization == "int8" else cpu_kernel.pack_columns
         for layer in model.layers:
-            for param in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
-                _pack(param, param[...], pack)
-            layer.attn.packed = layer.mlp.packed = True
+            for module, names in ((layer.attn, ("qkv", "o")), (layer.mlp, ("gate_up", "down"))):
+                for name in names:
+                    param = getattr(module, name)
+                    if onednn_rows:
+                        setattr(module, f"{name}_panels", nnx.Param(cpu_kernel.pack_panels(
+                            param[...].reshape(param.shape[0], -1))))
+                    _pack(param, param[...], pack)
+                module.packed, module.onednn_rows = True, onednn_rows
         if quantization == "int8":
             head = model.embed[...].T if model.config.tie_word_embeddings else model.lm_head[...]
             model.lm_head_int8 = nnx.Param(cpu_kernel.pack_int8(head))

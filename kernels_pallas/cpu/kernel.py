@@ -1,6 +1,8 @@
 """The CPU kernels, built on first use and called through XLA's FFI: paged attention
 (attention.cc), the matmul over weights packed in column panels (linear.cc), and its int8 form
-(linear_int8.cc: int8 weights with per-column scales, activations quantized per row as it runs).
+(linear_int8.cc: int8 weights with per-column scales, activations quantized per row as it runs);
+and, in a library of its own built where the oneDNN wheels are installed, oneDNN's matmul for
+prefill-sized row counts (onednn_linear.cc).
 
 They are compiled with the machine's C++ compiler for this CPU (-march=native) into one library in
 the cache directory, keyed by the sources, the compiler flags and the CPU, so later runs load it at
@@ -16,6 +18,8 @@ import os
 import platform
 import shutil
 import subprocess
+import sysconfig
+import time
 from pathlib import Path
 
 import jax
@@ -28,12 +32,15 @@ from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc", "linear_int8.cc", "kv_write.cc"))
 _HEADERS = (_HERE / "common.h",)
+_ONEDNN_SOURCES = (_HERE / "onednn_linear.cc",)
 _TARGET = "paged_jax_paged_attention_cpu"
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the attention kernel reads
 _LINEAR = "paged_jax_linear_cpu_f32"
 _LINEAR_INT8 = "paged_jax_linear_cpu_int8"
+_LINEAR_ONEDNN = "paged_jax_linear_onednn_f32"
 _WRITE_KV = "paged_jax_write_kv_cpu_bf16"
 PANEL = 16  # columns per panel of a packed weight (linear.cc's kPanel)
+ONEDNN_PANEL, ONEDNN_DEPTH = 64, 16  # oneDNN's BA16a64b: panels of 64 columns, K rounded up to 16
 INT8_GROUP = 4  # k values a dot-product lane sums (linear_int8.cc's kGroup)
 _UNWRITTEN = "paged_jax_unwritten_buffer"
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's libmvec); the kernel keeps
@@ -58,28 +65,30 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
-def _build() -> Path:
-    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
-    code = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
+def _build(name: str, sources: tuple[Path, ...], link_flags: tuple[str, ...] = (), include: Path | None = None) -> Path:
+    """The library `name` compiled from sources (and the headers), from the cache when built before."""
+    compile_flags = _COMPILE_FLAGS + ([f"-I{include}"] if include else [])
+    flags = " ".join(compile_flags + _LINK_FLAGS + list(link_flags))
+    code = b"".join(path.read_bytes() for path in sources + _HEADERS)
     key = hashlib.sha256(code + flags.encode() + _cpu_name().encode()).hexdigest()[:16]
-    library = _cache_dir() / f"cpu_kernels-{key}.so"
+    library = _cache_dir() / f"{name}-{key}.so"
     if not library.exists():
         compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
         if compiler is None:
             raise RuntimeError("no C++ compiler found (set CXX)")
         library.parent.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
-        objects = [library.with_suffix(f".{source.stem}.{os.getpid()}.o") for source in _SOURCES]
+        objects = [library.with_suffix(f".{source.stem}.{os.getpid()}.o") for source in sources]
         try:
             # The sources compile side by side: a first start-up waits for the slowest, not the sum.
-            with concurrent.futures.ThreadPoolExecutor(len(_SOURCES)) as pool:
-                compiles = [pool.submit(subprocess.run, [compiler, *_COMPILE_FLAGS, "-w", f"-I{jax.ffi.include_dir()}",
+            with concurrent.futures.ThreadPoolExecutor(len(sources)) as pool:
+                compiles = [pool.submit(subprocess.run, [compiler, *compile_flags, "-w", f"-I{jax.ffi.include_dir()}",
                                                          "-c", str(source), "-o", str(obj)],
                                         check=True, capture_output=True, text=True)
-                            for source, obj in zip(_SOURCES, objects)]
+                            for source, obj in zip(sources, objects)]
                 for done in compiles:
                     done.result()  # raises the first failure
-            subprocess.run([compiler, *_LINK_FLAGS, *map(str, objects), "-o", str(partial)],
+            subprocess.run([compiler, *_LINK_FLAGS, *map(str, objects), *link_flags, "-o", str(partial)],
                            check=True, capture_output=True, text=True)
         finally:
             for obj in objects:
@@ -96,7 +105,7 @@ def build_error() -> str | None:
             return f"its source {path.name} is not installed beside kernels_pallas/cpu/{Path(__file__).name}"
     global _library
     try:
-        library = _library = ctypes.cdll.LoadLibrary(str(_build()))
+        library = _library = ctypes.cdll.LoadLibrary(str(_build("cpu_kernels", _SOURCES)))
     except subprocess.CalledProcessError as e:
         return f"building the CPU kernels failed: {(e.stderr or '').strip()[-500:]}"
     except (OSError, RuntimeError) as e:
@@ -112,6 +121,63 @@ def build_error() -> str | None:
 
 
 _library = None
+
+
+def _onednn_dirs() -> tuple[Path, Path] | None:
+    """(include, lib) of the oneDNN wheels in this environment (onednn-devel-cpu-gomp's headers,
+    onednn-cpu-gomp's library: pyproject.toml installs them on x86-64 Linux), or None."""
+    data = Path(sysconfig.get_paths()["data"])
+    include, lib = data / "include", data / "lib"
+    if (include / "oneapi" / "dnnl" / "dnnl.hpp").exists() and (lib / "libdnnl.so.3").exists():
+        return include, lib
+    return None
+
+
+@functools.cache
+def onednn_error() -> str | None:
+    """Build and register the oneDNN matmul once: None if that worked, else why not (linear_cpu serves)."""
+    if build_error() is not None:
+        return build_error()
+    dirs = _onednn_dirs()
+    if dirs is None:
+        return "the oneDNN wheels (onednn-cpu-gomp, onednn-devel-cpu-gomp) are not installed"
+    include, lib = dirs
+    # oneDNN's OpenMP threads spin after each call unless told otherwise, taking the cores from the
+    # XLA threads that run the step's next ops. Read when libgomp loads, so before the library does.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build("onednn_kernels", _ONEDNN_SOURCES,
+                                                     ("-L" + str(lib), "-ldnnl", f"-Wl,-rpath,{lib}"), include)))
+    except subprocess.CalledProcessError as e:
+        return f"building the oneDNN matmul failed: {(e.stderr or '').strip()[-500:]}"
+    except (OSError, RuntimeError) as e:
+        return str(e)
+    jax.ffi.register_ffi_target(_LINEAR_ONEDNN, jax.ffi.pycapsule(library.LinearOneDnnF32), platform="cpu")
+    global _onednn_library
+    _onednn_library = library
+    return None
+
+
+_onednn_library = None
+
+
+def prepare_onednn(shapes: tuple[tuple[int, int], ...], max_rows: int) -> int:
+    """Make now every oneDNN primitive linear_onednn_cpu can need for weights [K, N] of `shapes` and
+    x of up to max_rows rows (it computes the real ones rounded up to a multiple of 16); how many that
+    is. Making one generates its code, which a step would otherwise wait for."""
+    if not onednn_available():
+        raise RuntimeError(f"the oneDNN matmul is not available: {onednn_error()}")
+    made = 0
+    for rows in range(16, max_rows + 16, 16):
+        for k, n in shapes:
+            _onednn_library.PagedJaxOneDnnPrepare(ctypes.c_int64(min(rows, max_rows)), ctypes.c_int64(k),
+                                                  ctypes.c_int64(n))
+            made += 1
+    return made
+
+
+def onednn_available() -> bool:
+    return onednn_error() is None
 
 
 def use_helpers(on: bool) -> None:
@@ -230,6 +296,57 @@ def linear_cpu(x: jax.Array, packed: jax.Array, n: int, rows=None) -> jax.Array:
         raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype} and {packed.dtype}")
     return jax.ffi.ffi_call(_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, packed,
                                                                                      _rows_operand(x, rows))
+
+
+def pack_panels(w: jax.Array) -> jax.Array:
+    """w: f32 [K, N] -> [ceil(N / 64), K rounded up to 16, 64], oneDNN's BA16a64b layout for
+    linear_onednn_cpu, zeros in the padding. Done once per weight, when the model is loaded."""
+    k, n = w.shape
+    panels, depth = cdiv(n, ONEDNN_PANEL), cdiv(k, ONEDNN_DEPTH) * ONEDNN_DEPTH
+    w = jnp.pad(w, ((0, depth - k), (0, panels * ONEDNN_PANEL - n)))
+    return w.reshape(depth, panels, ONEDNN_PANEL).transpose(1, 0, 2)
+
+
+def linear_onednn_cpu(x: jax.Array, panels: jax.Array, n: int, rows=None) -> jax.Array:
+    """linear_cpu's x @ w through oneDNN (onednn_linear.cc), with panels = pack_panels(w); rows as there."""
+    if not onednn_available():
+        raise RuntimeError(f"the oneDNN matmul is not available: {onednn_error()}")
+    if x.dtype != np.float32 or panels.dtype != np.float32:
+        raise ValueError(f"the oneDNN linear kernel takes float32, got {x.dtype} and {panels.dtype}")
+    return jax.ffi.ffi_call(_LINEAR_ONEDNN, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, panels,
+                                                                                            _rows_operand(x, rows))
+
+
+@functools.cache
+def onednn_min_rows(shapes: tuple[tuple[int, int], ...], candidates: tuple[int, ...], repeats: int = 3) -> int:
+    """The fewest rows, of `candidates`, from which oneDNN multiplies x [rows, K] by every weight
+    [K, N] of `shapes` (together) faster than linear_cpu, here and at every larger candidate: measured
+    on this machine, each candidate's matmuls by each kernel in turn, best of `repeats`. 0 where
+    oneDNN is unavailable or never faster. Measured once per process for given arguments."""
+    if not onednn_available():
+        return 0
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal(shape, np.float32) for shape in shapes]
+    kernels = ((linear_cpu, [pack_columns(jnp.asarray(w)) for w in weights]),
+               (linear_onednn_cpu, [pack_panels(jnp.asarray(w)) for w in weights]))
+    wins = []
+    for rows in sorted(candidates):
+        xs = [jnp.asarray(rng.standard_normal((rows, k), np.float32)) for k, _ in shapes]
+        calls = [jax.jit(lambda xs, ws, linear=linear: [linear(x, w, n) for x, w, (_, n) in zip(xs, ws, shapes)])
+                 for linear, _ in kernels]
+        best = [float("inf")] * len(kernels)
+        for _ in range(repeats + 1):  # the first calls compile
+            for i, (call, (_, packed)) in enumerate(zip(calls, kernels)):
+                start = time.perf_counter()
+                jax.block_until_ready(call(xs, packed))
+                best[i] = min(best[i], time.perf_counter() - start)
+        wins.append((rows, best[1] < best[0]))
+    smallest = 0
+    for rows, won in reversed(wins):
+        if not won:
+            break
+        smallest = rows
+    return smallest
 
 
 def pack_int8(w: jax.Array) -> jax.Array:

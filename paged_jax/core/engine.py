@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import models
+from kernels_pallas.cpu import kernel as cpu_kernel
 from models.loader import shard_model
 from models.sharding import make_mesh
 from paged_jax.core import beam_search, compilation_cache, distributed, output_processor, structured_output, validation
@@ -77,7 +78,7 @@ class LLMEngine:
                    attention.backend, attention.reason)
         logger.info("matmul backend %s: %s", self.resolved.matmul_backend, self.resolved.matmul.reason)
         if self.resolved.matmul_backend == "cpu":
-            model = model.pack_for_cpu(self.config.quantization)
+            model = model.pack_for_cpu(self.config.quantization, self._onednn_rows(model_config))
         self.runner = ModelRunner(model, model_config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
@@ -95,6 +96,24 @@ class LLMEngine:
         self.peak_blocks_in_use = 0
         self.peak_slot_fill = 0.0
         self.num_batched_tokens = 0
+
+    def _onednn_rows(self, model_config) -> int:
+        """The fewest tokens from which a step's layer matmuls go through oneDNN (0: never), measured
+        here against the C++ matmul over the step sizes it can meet (kernel.onednn_min_rows)."""
+        if self.config.quantization is not None or not cpu_kernel.onednn_available():
+            logger.info("oneDNN matmul: not used (%s)", cpu_kernel.onednn_error() or "quantized weights")
+            return 0
+        c = model_config
+        shapes = ((c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
+                  (c.num_heads * c.head_dim, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
+                  (c.intermediate_size, c.hidden_size))
+        # Below 64 rows the C++ matmul, made for decode's few rows, has always been the faster.
+        buckets = self.resolved.buckets.token_buckets()
+        rows = cpu_kernel.onednn_min_rows(shapes, tuple(t for t in buckets if t >= 64))
+        logger.info("oneDNN matmul: %s", f"steps of {rows} tokens and more" if rows else "slower here at every size")
+        if rows:  # its primitives' code generated now, not in the middle of traffic
+            cpu_kernel.prepare_onednn(shapes, buckets[-1])
+        return rows
 
     @classmethod
     def from_pretrained(cls, model: str = models.DEFAULT_MODEL, config: EngineConfig | None = None,
