@@ -1,13 +1,14 @@
 """The model's matmuls on the CPU: XLA's dot against the C++ matmul over packed weights
-(kernels_pallas/cpu/linear.cc), alternating in one process; with --int8, the int8 matmul
-(linear_int8.cc) beside them.
+(kernels_pallas/cpu/linear.cc), alternating in one process; with --onednn, oneDNN's matmul over
+its own panels (onednn_linear.cc, which the engine takes for steps of many tokens), and with --int8,
+the int8 matmul (linear_int8.cc), beside them.
 
     python scripts/bench_matmul_cpu.py                  # SmolLM2-135M's 30 layers, float32
-    python scripts/bench_matmul_cpu.py --rows 16 1024 --rounds 9 --int8
+    python scripts/bench_matmul_cpu.py --rows 16 1024 --rounds 9 --int8 --onednn
 
 Each call runs every layer's four matmuls (fused q/k/v, o, fused gate/up, down, with SwiGLU between)
 on `rows` token rows, so the weights (430 MB) stream from memory as in an engine step. Prints the
-median time of each and its GFLOP/s, and the packed result's error against XLA's.
+median time of each and its GFLOP/s, and each result's error against XLA's.
 """
 
 import argparse
@@ -49,6 +50,7 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 256, 1024])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--int8", action="store_true", help="also the int8 matmul (weights per column, rows at run time)")
+    p.add_argument("--onednn", action="store_true", help="also oneDNN's matmul (float32, its BA16a64b panels)")
     args = p.parse_args()
     h, i = args.hidden, args.intermediate
     rng = np.random.default_rng(0)
@@ -58,14 +60,20 @@ def main():
     packed = [{k: cpu_kernel.pack_columns(w) for k, w in layer.items()} for layer in weights]
     run = lambda linear: jax.jit(lambda x, ws: [x := layer_fn(h, i, args.qkv, linear)(x, w) for w in ws][-1])
     fns = {"xla": (run(None), weights), "packed": (run(cpu_kernel.linear_cpu), packed)}
+    extras = {}  # name -> its rate's unit
+    if args.onednn:
+        fns["onednn"] = (run(cpu_kernel.linear_onednn_cpu),
+                         [{k: cpu_kernel.pack_panels(w) for k, w in layer.items()} for layer in weights])
+        extras["onednn"] = "GFLOP/s"
     if args.int8:
         fns["int8"] = (run(cpu_kernel.linear_int8_cpu),
                        [{k: cpu_kernel.pack_int8(w) for k, w in layer.items()} for layer in weights])
+        extras["int8"] = "GOP/s"
     flop_per_row = 2 * args.layers * sum(a * b for a, b in shapes.values())
     print(machine.one_line(machine.describe()))
     print(f"{args.layers} layers of matmuls, float32; medians of {args.rounds} alternating calls (ms)")
     print(f"{'rows':>6} {'xla':>9} {'GFLOP/s':>8} {'packed':>9} {'GFLOP/s':>8} {'speedup':>8}  rel err"
-          + (f" {'int8':>9} {'GOP/s':>8}  rel err" if args.int8 else ""))
+          + "".join(f" {name:>9} {unit:>8}  rel err" for name, unit in extras.items()))
     for rows in args.rows:
         x = jnp.asarray(rng.standard_normal((rows, h), np.float32) * 0.1)
         out = {name: f(x, w) for name, (f, w) in fns.items()}
@@ -80,7 +88,7 @@ def main():
         rate = {name: flop_per_row * rows / (t / 1e3) / 1e9 for name, t in ms.items()}
         print(f"{rows:>6} {ms['xla']:9.1f} {rate['xla']:8.1f} {ms['packed']:9.1f} {rate['packed']:8.1f}"
               f" {ms['xla'] / ms['packed']:7.2f}x  {err['packed']:.1e}"
-              + (f" {ms['int8']:9.1f} {rate['int8']:8.1f}  {err['int8']:.1e}" if args.int8 else ""), flush=True)
+              + "".join(f" {ms[name]:9.1f} {rate[name]:8.1f}  {err[name]:.1e}" for name in extras), flush=True)
 
 
 if __name__ == "__main__":
