@@ -210,7 +210,8 @@ def test_a_request_whose_output_handling_fails_fails_alone(app, base, client, mo
 
 def test_timeouts_end_requests_and_free_their_blocks(base, client):
     before = metrics(base)["paged_jax:request_timeouts_total"]
-    body = dict(model=MODEL, prompt=[7] * 20, max_tokens=480, ignore_eos=True, temperature=0, request_timeout=0.3)
+    # 480 tokens take the tiny model 480 steps, well over 50 ms (0.3 s was once too long: it finished in time).
+    body = dict(model=MODEL, prompt=[7] * 20, max_tokens=480, ignore_eos=True, temperature=0, request_timeout=0.05)
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 408 and "ran out of time" in r.json()["error"]["message"]
     wait_for_idle(base, timeout=5)
