@@ -15,7 +15,8 @@ figures; the exit status is 1 if any part fails.
   full float32 precision on both (a GPU's default may be TF32); a first difference where the CPU's
   two best tokens lie within TIE_LOGPROB of each other is reported as a near-tie, not a failure.
 - decode-bandwidth: K/V bytes a decode batch's attention reads, over the kernel's time alone, beside
-  a device copy's bandwidth measured in the same run.
+  a device copy's bandwidth measured in the same run; and the same batch through JAX's own Pallas
+  decode kernel, compiled: the two outputs' difference and each kernel's time.
 - w1: W1 in bfloat16 (scripts/bench_throughput.py): output tokens/s, model FLOP utilisation against a
   bfloat16 matmul peak measured in the same run.
 
@@ -28,6 +29,7 @@ import dataclasses
 import pathlib
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -170,6 +172,37 @@ def decode_bandwidth(*, interpret: bool, num_seqs: int = 64, context: int = 2048
     return Result("decode-bandwidth", True, figures)
 
 
+def decode_against_jax_kernel(*, interpret: bool, num_seqs: int = 64, context: int = 2048,
+                              repeats: int = 20) -> Result:
+    """Our kernel against JAX's own Pallas decode kernel (jax.experimental.pallas.ops.gpu.paged_attention),
+    both compiled, on one layer of a bfloat16 decode batch of SmolLM2's shapes: their outputs' relative
+    difference, and each one's time. PASS when the two agree within the kernel tests' bfloat16 tolerance."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    from kernels_pallas import layout
+
+    case = kernel_testing.Case(q_lens=(1,) * num_seqs, seq_lens=(context,) * num_seqs, num_heads=9,
+                               num_kv_heads=3, head_dim=64, block_size=16, dtype=jnp.bfloat16)
+    batch = kernel_testing.make_batch(case, poison=0.0)
+    ours = jax.jit(lambda *a: paged_attention(*a, max_query_len=1, interpret=interpret))
+    # JAX's kernel applies no softmax scale and reads head-major pages; both conversions stay untimed.
+    q = batch.q[:num_seqs] * case.head_dim**-0.5
+    k, v = (layout.to_jax_layout(pages, case.layout) for pages in (batch.k_pages, batch.v_pages))
+    # Its K/V splits must divide the block table evenly: the table cut to the pages a context fills.
+    pages = -(-context // case.block_size)
+    k_splits = next(n for n in (16, 8, 4, 2, 1) if pages % n == 0)
+    per_block = next(n for n in (8, 4, 2, 1) if (pages // k_splits) % n == 0)
+    theirs = jax.jit(lambda *a: jax_paged.paged_attention(*a, block_h=16, pages_per_compute_block=per_block,
+                                                          k_splits=k_splits, interpret=interpret))
+    their_args = (q, k, v, batch.block_tables[:, :pages], batch.seq_lens)
+    out, expected = ours(*batch.args)[:num_seqs], theirs(*their_args)
+    err = kernel_testing.rel_err(out, np.asarray(expected.astype(jnp.float32), np.float64))
+    ours_s, theirs_s = timed(ours, *batch.args, repeats=repeats), timed(theirs, *their_args, repeats=repeats)
+    figures = {"rel_diff": f"{err:.2e}", "ours_us": round(ours_s * 1e6, 1), "jax_us": round(theirs_s * 1e6, 1),
+               "jax_over_ours": round(theirs_s / ours_s, 3)}
+    return Result("decode vs JAX's Pallas kernel", err < kernel_testing.TOLERANCE[jnp.bfloat16], figures)
+
+
 def check_w1(model: str, workload: str, num_requests: int | None = None) -> Result:
     """W1 in bfloat16 through scripts/bench_throughput.py; PASS when every request produced all its
     tokens."""
@@ -210,32 +243,47 @@ def run(args) -> list[Result]:
           f"attention backend {backend!r}", flush=True)
     results = []
 
-    def record(new):
+    def record(name: str, part: Callable[[], list[Result]]):
+        """Runs one part; an exception fails that part (traceback printed) and the next part still runs."""
+        try:
+            new = part()
+        except Exception as e:  # a first run on new hardware: every part's verdict is worth having
+            traceback.print_exc()
+            new = [Result(name, False, {"error": f"{type(e).__name__}: {str(e)[:300]}"})]
         for r in new:
             print(f"[{'PASS' if r.ok else 'FAIL'}] {r.name}: " + ", ".join(f"{k} {v}" for k, v in r.figures.items()),
                   flush=True)
         results.extend(new)
 
+    def on(f, *a, **kw):
+        """f(*a, **kw) with the checked device as JAX's default."""
+        with jax.default_device(device):
+            return f(*a, **kw)
+
     cases = (kernel_testing.CASES[0], kernel_testing.CASES[5]) if args.quick else kernel_testing.CASES
     if not args.skip_kernel:
-        with jax.default_device(device):
-            record(check_kernel(cases, interpret=interpret))
+        for case in cases:
+            record(f"kernel {kernel_testing.case_id(case)}", lambda c=case: on(check_kernel, [c], interpret=interpret))
     if not args.skip_tiny:
         tiny = lambda: (random_model(TINY_LLAMA), TINY_LLAMA, None)
         prompts = tiny_prompts(args.tiny_prompts, TINY_LLAMA.vocab_size)
-        record([check_tokens("tokens tiny-llama", tiny, prompts, args.steps, device=device, backend=backend)])
+        record("tokens tiny-llama", lambda: [check_tokens("tokens tiny-llama", tiny, prompts, args.steps,
+                                                          device=device, backend=backend)])
     if args.quick:
         return results
     if not args.skip_smollm2:
         smollm2 = lambda: models.load_model(args.model, dtype=jnp.float32)
-        record([check_tokens(f"tokens {args.model}", smollm2, SMOLLM2_PROMPTS, args.steps, device=device,
-                             backend=backend)])
-    with jax.default_device(device):
-        if not args.skip_bandwidth:
-            num_seqs, context = args.bandwidth_shape
-            record([decode_bandwidth(interpret=interpret, num_seqs=num_seqs, context=context)])
-        if not args.skip_w1:
-            record([check_w1(args.model, args.workload, args.w1_requests)])
+        name = f"tokens {args.model}"
+        record(name, lambda: [check_tokens(name, smollm2, SMOLLM2_PROMPTS, args.steps, device=device,
+                                           backend=backend)])
+    if not args.skip_bandwidth:
+        num_seqs, context = args.bandwidth_shape
+        record("decode-bandwidth", lambda: [on(decode_bandwidth, interpret=interpret, num_seqs=num_seqs,
+                                               context=context)])
+        record("decode vs JAX's Pallas kernel", lambda: [on(decode_against_jax_kernel, interpret=interpret,
+                                                             num_seqs=num_seqs, context=context)])
+    if not args.skip_w1:
+        record("w1", lambda: [on(check_w1, args.model, args.workload, args.w1_requests)])
     return results
 
 

@@ -6,9 +6,11 @@ EPYC Zen 5), and the kernels' speed, and their ratio to a peer's, differ between
 
 The model name is lscpu's "Model name" where lscpu runs, else /proc/cpuinfo's "model name", else
 `platform.processor()`. Vendors reuse a name across generations ("AMD EPYC"), so the CPU family and
-model numbers come with it where the system gives them.
+model numbers come with it where the system gives them. Where JAX sees an accelerator (a GPU), the
+line names it too: there the figure is the GPU's, and the CPU only feeds it.
 """
 
+import collections
 import os
 import platform
 import shutil
@@ -34,8 +36,9 @@ def _fields(text: str | None, separator: str) -> dict[str, str]:
     return out
 
 
-def parse(lscpu: str | None, cpuinfo: str | None, cores: int) -> dict:
-    """describe()'s answer from lscpu's output and /proc/cpuinfo's text (either may be None)."""
+def parse(lscpu: str | None, cpuinfo: str | None, cores: int, accelerators: tuple[str, ...] = ()) -> dict:
+    """describe()'s answer from lscpu's output and /proc/cpuinfo's text (either may be None), and the
+    device kinds of JAX's accelerators, one entry per device."""
     ls, info = _fields(lscpu, ":"), _fields(cpuinfo, ":")
     model = ls.get("model name") or info.get("model name") or platform.processor()
     flags = set((ls.get("flags") or info.get("flags") or info.get("features") or "").split())
@@ -48,6 +51,7 @@ def parse(lscpu: str | None, cpuinfo: str | None, cores: int) -> dict:
         "cpu_model_number": number if number and number.isdigit() else "",
         "cores": cores,
         "vector_extensions": [name for name in VECTOR_EXTENSIONS if name in flags],
+        "accelerators": [f"{count} x {kind}" for kind, count in collections.Counter(accelerators).items()],
     }
 
 
@@ -78,9 +82,17 @@ def _lscpu() -> str | None:
     return run.stdout if run.returncode == 0 else None
 
 
+def _accelerators() -> tuple[str, ...]:
+    """The device kind of each device of JAX's default backend, unless that backend is the CPU."""
+    import jax  # here, not at the top: parse() and one_line() serve scripts that never start JAX
+
+    return tuple(d.device_kind for d in jax.devices() if d.platform != "cpu")
+
+
 def describe() -> dict:
-    """{"cpu_model", "vendor", "cpu_family", "cpu_model_number", "cores", "vector_extensions"} of this machine."""
-    return parse(_lscpu(), _read("/proc/cpuinfo"), _usable_cores())
+    """{"cpu_model", "vendor", "cpu_family", "cpu_model_number", "cores", "vector_extensions",
+    "accelerators"} of this machine."""
+    return parse(_lscpu(), _read("/proc/cpuinfo"), _usable_cores(), _accelerators())
 
 
 def one_line(machine: dict) -> str:
@@ -88,5 +100,6 @@ def one_line(machine: dict) -> str:
     generation = ", ".join(f"{name} {machine[key]}" for name, key in (("family", "cpu_family"),
                                                                       ("model", "cpu_model_number")) if machine[key])
     extensions = " ".join(machine["vector_extensions"]) or "no vector extensions listed"
+    accelerators = ", ".join(machine.get("accelerators", ()))
     return (f"machine: {machine['cpu_model']}" + (f" ({generation})" if generation else "")
-            + f", {machine['cores']} cores, {extensions}")
+            + f", {machine['cores']} cores, {extensions}" + (f"; accelerators: {accelerators}" if accelerators else ""))

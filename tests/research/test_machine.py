@@ -37,7 +37,13 @@ def test_lscpu_names_the_model_its_generation_and_the_kernels_extensions_in_orde
                                       "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
     line = machine.one_line(d)
     assert line.startswith("machine: Intel(R) Xeon(R) Platinum 8481C") and "family 6, model 143" in line
-    assert "4 cores" in line and line.endswith("amx_int8")
+    assert "4 cores" in line and line.endswith("amx_int8") and d["accelerators"] == []
+
+
+def test_a_gpu_is_named_after_the_cpu():
+    d = machine.parse(XEON_LSCPU, None, cores=16, accelerators=("NVIDIA H200",) * 2)
+    assert d["accelerators"] == ["2 x NVIDIA H200"]
+    assert machine.one_line(d).endswith("amx_int8; accelerators: 2 x NVIDIA H200")
 
 
 def test_cpuinfo_alone_serves_where_lscpu_is_missing_arm_included():
