@@ -89,11 +89,13 @@ def free(pool: BlockPool, ids: jax.Array) -> tuple[BlockPool, jax.Array]:
     returns (pool, ok bool []).
     """
     index, ok = _check_ids(pool, ids)
-    counts = _counts(pool, index)
-    ok &= jnp.all(counts <= pool.refcounts)
-    refcounts = pool.refcounts - jnp.where(ok, counts, 0)
-    released = (pool.refcounts > 0) & (refcounts == 0)
-    return _push(dataclasses.replace(pool, refcounts=refcounts), released), ok
+    refs, occurrence = _refs(pool, index), _occurrence(ids)
+    # Entry number c (from 0) of a block drops its reference c + 1: at most the block's count.
+    ok &= jnp.all((index == pool.num_blocks) | (occurrence < refs))
+    refcounts = pool.refcounts.at[jnp.where(ok, index, pool.num_blocks)].add(-1, mode="drop")
+    # The entry that drops a block's last reference releases it: one entry per released block.
+    released = ok & (index < pool.num_blocks) & (occurrence == refs - 1)
+    return _push(dataclasses.replace(pool, refcounts=refcounts), jnp.where(released, ids, -1)), ok
 
 
 @jax.jit
@@ -105,9 +107,9 @@ def share(pool: BlockPool, ids: jax.Array) -> tuple[BlockPool, jax.Array]:
     returns (pool, ok bool []).
     """
     index, ok = _check_ids(pool, ids)
-    counts = _counts(pool, index)
-    ok &= jnp.all((counts == 0) | (pool.refcounts > 0))
-    return dataclasses.replace(pool, refcounts=pool.refcounts + jnp.where(ok, counts, 0)), ok
+    ok &= jnp.all((index == pool.num_blocks) | (_refs(pool, index) > 0))
+    return dataclasses.replace(pool, refcounts=pool.refcounts.at[jnp.where(ok, index, pool.num_blocks)].add(
+        1, mode="drop")), ok
 
 
 @jax.jit
@@ -124,14 +126,13 @@ def copy_on_write(pool: BlockPool, ids: jax.Array) -> tuple[BlockPool, jax.Array
         caller must copy, (-1, -1) where nothing is copied, ok bool []).
     """
     index, ok = _check_ids(pool, ids)
-    counts = _counts(pool, index)
-    ok &= jnp.all(counts <= pool.refcounts)
-    refs = pool.refcounts.at[index].get(mode="fill", fill_value=0)
-    copy = (index < pool.num_blocks) & (_occurrence(ids) < refs - 1)
+    refs, occurrence = _refs(pool, index), _occurrence(ids)
+    ok &= jnp.all((index == pool.num_blocks) | (occurrence < refs))
+    copy = (index < pool.num_blocks) & (occurrence < refs - 1)
     ok &= jnp.sum(copy) <= pool.num_free
     copy &= ok
     pool, dst = _pop(pool, copy)
-    refcounts = pool.refcounts - _counts(pool, jnp.where(copy, index, pool.num_blocks))
+    refcounts = pool.refcounts.at[jnp.where(copy, index, pool.num_blocks)].add(-1, mode="drop")
     copies = jnp.stack([jnp.where(copy, ids, -1), dst], axis=-1)
     return dataclasses.replace(pool, refcounts=refcounts), jnp.where(copy, dst, ids), copies, ok
 
@@ -143,9 +144,12 @@ def _check_ids(pool: BlockPool, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.where(real, ids, pool.num_blocks), jnp.all(real | (ids < 0))
 
 
-def _counts(pool: BlockPool, index: jax.Array) -> jax.Array:
-    """int32 [num_blocks]: how often each block appears in index (int32 [k], out of bounds dropped)."""
-    return jnp.zeros_like(pool.refcounts).at[index].add(1, mode="drop")
+def _refs(pool: BlockPool, index: jax.Array) -> jax.Array:
+    """int32 [k]: the reference count of each block of index (int32 [k]), 0 where out of bounds.
+
+    The operations touch only their k entries, never a [num_blocks] temporary: a GPU's pool has over
+    100,000 blocks, and whole-pool passes made each call cost up to a millisecond on the host."""
+    return pool.refcounts.at[index].get(mode="fill", fill_value=0)
 
 
 def _occurrence(ids: jax.Array) -> jax.Array:
@@ -175,12 +179,12 @@ def _pop(pool: BlockPool, take: jax.Array) -> tuple[BlockPool, jax.Array]:
 
 
 def _push(pool: BlockPool, released: jax.Array) -> BlockPool:
-    """Append the blocks marked in released (bool [num_blocks]) to the free queue, lowest id first."""
+    """Append the blocks of released (int32 [k]: distinct ids, -1 for none) to the free queue, lowest id
+    first."""
     size = pool.free_queue.shape[0]
-    ranks = jnp.cumsum(released) - 1
-    slots = jnp.where(released, (pool.head + pool.num_free + ranks) % size, size)
-    return dataclasses.replace(
-        pool,
-        free_queue=pool.free_queue.at[slots].set(jnp.arange(pool.num_blocks, dtype=jnp.int32), mode="drop"),
-        num_free=pool.num_free + jnp.sum(released, dtype=jnp.int32),
-    )
+    ordered = jnp.sort(jnp.where(released >= 0, released, pool.num_blocks))  # the -1s last
+    count = jnp.sum(released >= 0, dtype=jnp.int32)
+    ranks = jnp.arange(released.shape[0])
+    slots = jnp.where(ranks < count, (pool.head + pool.num_free + ranks) % size, size)
+    return dataclasses.replace(pool, free_queue=pool.free_queue.at[slots].set(ordered, mode="drop"),
+                               num_free=pool.num_free + count)

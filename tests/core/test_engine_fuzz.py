@@ -206,6 +206,9 @@ class EngineMachine(RuleBasedStateMachine):
         refcounts = np.asarray(blocks.pool.refcounts)
         assert held == collections.Counter({b: int(c) for b, c in enumerate(refcounts) if c})
         assert int(blocks.pool.num_free) == np.count_nonzero(refcounts[1:] == 0)
+        # The scheduler reads the manager's host copy of the counts, kept without reading the pool back.
+        np.testing.assert_array_equal(blocks.refcounts, refcounts)
+        assert blocks.num_free == int(blocks.pool.num_free)
         assert set(self.live) <= {s.request_id for s in live}, "an unfinished request has nothing left to run"
 
     def _queues(self) -> str:
