@@ -157,10 +157,15 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
     return 2 * num_bytes / timed(jax.jit(lambda a: a + 1), x, repeats=repeats)
 
 
+def smollm2_decode_case(num_seqs: int, context: int) -> kernel_testing.Case:
+    """One layer of a bfloat16 decode batch of SmolLM2's shapes: num_seqs sequences of context tokens."""
+    return kernel_testing.Case(q_lens=(1,) * num_seqs, seq_lens=(context,) * num_seqs, num_heads=9, num_kv_heads=3,
+                               head_dim=64, block_size=16, dtype=jnp.bfloat16)
+
+
 def decode_bandwidth(*, interpret: bool, num_seqs: int = 64, context: int = 2048, repeats: int = 20) -> Result:
     """K/V bytes/s the kernel reaches on one layer of a bfloat16 decode batch of SmolLM2's shapes."""
-    case = kernel_testing.Case(q_lens=(1,) * num_seqs, seq_lens=(context,) * num_seqs, num_heads=9,
-                               num_kv_heads=3, head_dim=64, block_size=16, dtype=jnp.bfloat16)
+    case = smollm2_decode_case(num_seqs, context)
     batch = kernel_testing.make_batch(case, poison=0.0)
     attend = jax.jit(lambda *a: paged_attention(*a, max_query_len=1, interpret=interpret))
     seconds = timed(attend, *batch.args, repeats=repeats)
@@ -181,8 +186,7 @@ def decode_against_jax_kernel(*, interpret: bool, num_seqs: int = 64, context: i
 
     from kernels_pallas import layout
 
-    case = kernel_testing.Case(q_lens=(1,) * num_seqs, seq_lens=(context,) * num_seqs, num_heads=9,
-                               num_kv_heads=3, head_dim=64, block_size=16, dtype=jnp.bfloat16)
+    case = smollm2_decode_case(num_seqs, context)
     batch = kernel_testing.make_batch(case, poison=0.0)
     ours = jax.jit(lambda *a: paged_attention(*a, max_query_len=1, interpret=interpret))
     # JAX's kernel applies no softmax scale and reads head-major pages; both conversions stay untimed.

@@ -8,9 +8,9 @@ which `warm_up` makes before traffic.
 
 A call reads back only its scalars (ok, the free count) and the ids it hands out. The reference
 counts the scheduler consults are a host copy kept in step with each successful call by the call's
-own rule (+1 per id shared, -1 per id freed, 1 for each id handed out): reading the whole array back
-after every call cost 0.5 ms a call on a GPU machine, whose pool has 131,073 blocks (tests compare
-the copy with the pool after every operation).
+own rule (+1 per id shared, -1 per id freed, 1 for each id handed out), so no call moves a
+[num_blocks] array to the host: a GPU's pool has over 100,000 blocks (tests compare the copy with the
+pool after every operation).
 
 A replay, which runs the scheduler without a model, asks for the pool's NumPy twin (host_pool.py,
 tested against the jitted pool): the same decisions without a dispatch per call.
