@@ -57,3 +57,10 @@ def test_w1_part_runs_bench_throughput_in_bfloat16(tiny_checkpoint, tmp_path):
     result = gpu_check.check_w1(str(folder), str(workload), num_requests=2)
     assert result.ok and result.figures["output_tokens"] == 10 and result.figures["dtype"] == "bfloat16"
     assert result.figures["mfu"] > 0
+
+
+def test_decode_against_jax_kernel_agrees_and_times_both():
+    """Both kernels through the Pallas interpreter: JAX's own decode kernel is the independent reference."""
+    result = gpu_check.decode_against_jax_kernel(interpret=True, num_seqs=4, context=256, repeats=1)
+    assert result.ok and float(result.figures["rel_diff"]) < 1e-2
+    assert result.figures["ours_us"] > 0 and result.figures["jax_us"] > 0
