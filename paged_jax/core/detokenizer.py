@@ -26,7 +26,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._window: list[int] = []  # the ids from the window's start (vLLM's prefix_offset) on
         self._read = 0  # window[:read] is context, decoded to prefix_text; what follows is new
         self._prefix_text = ""
@@ -36,7 +36,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Decode one more id; returns the text it confirms ("" while held)."""
-        if self._tokenizer is None:
+        if self.tokenizer is None:
             return ""
         self._window.append(token_id)
         new = self._decode(self._window)[len(self._prefix_text):]
@@ -68,9 +68,14 @@ class IncrementalDetokenizer:
         return self.confirmed_text + self.pending
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return decode(self.tokenizer, ids)
 
     def _is_byte(self, token_id: int) -> bool:
         # A byte-fallback decoder turns a run of byte tokens into one string only if all its bytes
         # make valid UTF-8 (and into one U+FFFD a byte otherwise): the run is held until it ends.
-        return _BYTE_TOKEN.fullmatch(self._tokenizer.convert_ids_to_tokens(token_id) or "") is not None
+        return _BYTE_TOKEN.fullmatch(self.tokenizer.convert_ids_to_tokens(token_id) or "") is not None
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """The text of ids as outputs carry it (special tokens skipped); "" without a tokenizer."""
+    return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)

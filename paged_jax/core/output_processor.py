@@ -6,6 +6,7 @@ search outputs are decoded whole: its beams are reordered and replaced as the se
 """
 
 from paged_jax.core import beam_search
+from paged_jax.core.detokenizer import decode
 from paged_jax.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.core.request import Request
 from paged_jax.core.sampling_params import RequestOutputKind
@@ -67,19 +68,14 @@ def _beam_output(request: Request, finished: bool, now: float) -> RequestOutput:
     """The live beams while the search runs; the best n hypotheses once it is over."""
     if finished:
         ranked = beam_search.best(request.hypotheses, request.params.n, request.params.length_penalty)
-        completions = [CompletionOutput(i, _decode(request, h.token_ids), list(h.token_ids), h.cumulative_logprob,
-                                        None, h.finish_reason, h.stop_reason) for i, h in enumerate(ranked)]
+        completions = [CompletionOutput(i, decode(request.tokenizer, list(h.token_ids)), list(h.token_ids),
+                                        h.cumulative_logprob, None, h.finish_reason, h.stop_reason)
+                       for i, h in enumerate(ranked)]
     else:
-        completions = [CompletionOutput(b.index, _decode(request, b.output_token_ids), b.output_token_ids,
+        completions = [CompletionOutput(b.index, decode(request.tokenizer, list(b.output_token_ids)), b.output_token_ids,
                                         b.cumulative_logprob, None, None) for b in request.seqs]
     metrics = _metrics(request, now if finished else None, max((len(c.token_ids) for c in completions), default=0))
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, metrics)
-
-
-def _decode(request: Request, token_ids) -> str:
-    # A model loaded without tokenizer files speaks token ids only.
-    tokenizer = request.tokenizer
-    return "" if tokenizer is None else tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
 def _metrics(request: Request, finish_time: float | None, num_output_tokens: int) -> RequestMetrics:

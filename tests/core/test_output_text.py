@@ -82,3 +82,19 @@ def test_a_stop_string_before_min_tokens_counts_once_the_search_starts(tokenizer
         assert found == "two" and text == "one "
         # Streamed, nothing the search had not read went out: "two" was never handed out.
         assert not incremental or "".join(pieces) == "one "
+
+
+def test_a_whole_text_decoded_once_at_the_end_is_the_text_decoded_token_by_token(tokenizer):
+    # A whole-text sample without stop strings keeps its ids and decodes them when read; any ids
+    # (special tokens, bytes that make no character) give the text the incremental decode gives.
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.lists(st.integers(0, len(tokenizer) - 1), max_size=24))
+    def check(ids):
+        whole, streamed = (OutputText(tokenizer, (), incremental=incremental) for incremental in (False, True))
+        for token in ids:
+            whole.add(token)
+            streamed.add(token)
+        assert whole.text == streamed.text == "".join([streamed.take(False), streamed.take(True)])
+
+    check()
+    assert OutputText(None, (), incremental=False).text == ""
