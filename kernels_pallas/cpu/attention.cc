@@ -330,9 +330,8 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
       // than a 48 kB L1, and prefetching into L1 evicted the rows the later query heads were about to
       // read (on the 2-core Intel Xeon, 64 sequences of 600: 2.76 ms a layer with prefetcht0, 2.64 with
       // no prefetch, 2.50 with prefetcht1, medians of 5 alternating runs).
-      const int64_t ahead_tile = b * H + h + 3;
-      const bool last = ahead_tile >= blocks * H;
-      const int64_t next_b = ahead_tile / H, next_h = ahead_tile % H;
+      const bool last = h + 1 == H && b + 1 == blocks;
+      const int64_t next_b = h + 1 < H ? b : b + 1, next_h = h + 1 < H ? h + 1 : 0;
       const KV* next_k = last ? nullptr : k_pages + (int64_t)table[next_b] * block_stride + next_h * hs;
       const KV* next_v = last ? nullptr : v_pages + (int64_t)table[next_b] * block_stride + next_h * hs;
       const int next_n = last ? 0 : (int)std::min<int64_t>(BS, seq_len - next_b * BS);
