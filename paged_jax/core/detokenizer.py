@@ -76,6 +76,7 @@ class IncrementalDetokenizer:
         return _BYTE_TOKEN.fullmatch(self.tokenizer.convert_ids_to_tokens(token_id) or "") is not None
 
 
-def decode(tokenizer, ids: list[int]) -> str:
-    """The text of ids as outputs carry it (special tokens skipped); "" without a tokenizer."""
-    return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
+def decode(tokenizer, ids) -> str:
+    """The text of ids (a sequence of ints) as outputs carry it, special tokens skipped; "" without a
+    tokenizer (a model loaded without tokenizer files speaks token ids only)."""
+    return "" if tokenizer is None else tokenizer.decode(list(ids), skip_special_tokens=True)

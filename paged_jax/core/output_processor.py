@@ -68,11 +68,11 @@ def _beam_output(request: Request, finished: bool, now: float) -> RequestOutput:
     """The live beams while the search runs; the best n hypotheses once it is over."""
     if finished:
         ranked = beam_search.best(request.hypotheses, request.params.n, request.params.length_penalty)
-        completions = [CompletionOutput(i, decode(request.tokenizer, list(h.token_ids)), list(h.token_ids),
+        completions = [CompletionOutput(i, decode(request.tokenizer, h.token_ids), list(h.token_ids),
                                         h.cumulative_logprob, None, h.finish_reason, h.stop_reason)
                        for i, h in enumerate(ranked)]
     else:
-        completions = [CompletionOutput(b.index, decode(request.tokenizer, list(b.output_token_ids)), b.output_token_ids,
+        completions = [CompletionOutput(b.index, decode(request.tokenizer, b.output_token_ids), b.output_token_ids,
                                         b.cumulative_logprob, None, None) for b in request.seqs]
     metrics = _metrics(request, now if finished else None, max((len(c.token_ids) for c in completions), default=0))
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, metrics)
