@@ -47,7 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _option(1024, "most tokens in one step")
     # While sequences decode, a step's tokens in all when it carries prompt tokens beside them (but at
     # least 3 prompt tokens per decode; 0: no cap beyond max_num_batched_tokens), so that a long prompt
-    # does not stall every decode for a whole long step (scheduler.py; the cap lifts while more than 8
+    # does not stall every decode for a whole long step (scheduler.py; the cap lifts while more than 2
     # requests wait). vLLM's name: vLLM caps each request's chunk; this caps the step, and only while
     # something decodes. The default takes W1's prompts (up to 512 tokens) whole: since the C++
     # matmuls skip a step's padding, one step of a whole prompt gave first tokens sooner than 256

@@ -17,8 +17,11 @@ from paged_jax.core.sequence import Sequence
 PROMPT_TOKENS_PER_DECODE = 3
 # More requests waiting than this: they come faster than they are served, and their first tokens wait
 # on the queue more than on any step. The cap on prompt tokens lifts, and steps take all the prompt
-# tokens they can (throughput first) until the backlog is gone.
-BACKLOG = 8
+# tokens they can (throughput first) until the backlog is gone. 2, not more: W1 served at 4 requests/s
+# (past what a 2-core CPU serves) with 2 against 8, Intel Xeon, 4 runs each: TTFT median 562-593 ms
+# against 609-822, p99 2,182-2,391 against 2,743-3,389, ITL p99 904-962 against 512-571 (vLLM's:
+# 1,370-1,789); at 1 and 2 requests/s, where queues stay short, no different.
+BACKLOG = 2
 # What a step costs beyond its tokens, in tokens: a CPU step takes about 8 ms plus 0.6 ms a token on
 # the 2-core machines this was measured on (scripts/measure_step_time.py).
 STEP_OVERHEAD_TOKENS = 14

@@ -9,7 +9,7 @@ from paged_jax import EngineConfig, SamplingParams
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.scheduler import Scheduler, SchedulerOutput
 from paged_jax.core.sequence import Sequence
-from paged_jax.core.step_budget import STEP_OVERHEAD_TOKENS, fit_bucket
+from paged_jax.core.step_budget import BACKLOG, STEP_OVERHEAD_TOKENS, fit_bucket
 
 
 def make_seq(seq_id: int, prompt_len: int, max_tokens: int, **params) -> Sequence:
@@ -89,11 +89,12 @@ def test_a_long_prompt_waits_for_the_step_after_one_that_ends_another_prompt():
     """While sequences decode, a step that ends a prompt (its first token) takes no long prompt beside
     it: that prompt's tokens would delay the first token by more than the step of its own costs it."""
     scheduler = decoding(4, long_prefill_token_threshold=512, max_num_batched_tokens=1024)
-    for i, length in enumerate((200, 250, 10)):
+    for i, length in enumerate((200, 250)):  # no backlog (BACKLOG): the cap holds
         scheduler.add(make_seq(10 + i, length, max_tokens=4))
     out = scheduler.schedule()
     assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled if s.num_new_tokens > 1] == [(10, 200)]
     run_step(scheduler, out)
+    scheduler.add(make_seq(12, 10, max_tokens=4))
     out = scheduler.schedule()  # 10 tokens delay one first token by less than a step: they join
     assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled if s.num_new_tokens > 1] == [(11, 250), (12, 10)]
 
@@ -178,14 +179,14 @@ def test_a_step_never_holds_more_than_max_num_seqs_and_forks_all_run():
 
 def test_a_backlog_lifts_the_cap():
     scheduler = decoding(4, long_prefill_token_threshold=64, max_num_partial_prefills=4)
-    for i in range(9):  # more than the backlog the cap allows
+    for i in range(BACKLOG + 1):  # more than the backlog the cap allows
         scheduler.add(make_seq(10 + i, 300, max_tokens=1))
     out = scheduler.schedule()
     assert decodes(out) == 4 and prompt_tokens(out) == 512 - 4
-    for i in range(8):  # the backlog is gone: the cap is back
+    run_step(scheduler, out)
+    while len(scheduler.waiting) > BACKLOG:
         run_step(scheduler, scheduler.schedule())
-    assert len(scheduler.waiting) <= 8
-    assert prompt_tokens(scheduler.schedule()) <= 64 - 4
+    assert scheduler.waiting and prompt_tokens(scheduler.schedule()) <= 64 - 4  # the cap is back
 
 
 FINE = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # buckets.py's token buckets at 512 tokens
