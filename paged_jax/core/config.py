@@ -47,12 +47,12 @@ class EngineConfig:
     max_num_batched_tokens: int = _option(1024, "most tokens in one step")
     # While sequences decode, a step's tokens in all when it carries prompt tokens beside them (but at
     # least 3 prompt tokens per decode; 0: no cap beyond max_num_batched_tokens), so that a long prompt
-    # does not stall every decode for a whole long step (scheduler.py; the cap lifts while more than 2
-    # requests wait). vLLM's name: vLLM caps each request's chunk; this caps the step, and only while
-    # something decodes. The default takes W1's prompts (up to 512 tokens) whole: since the C++
-    # matmuls skip a step's padding, one step of a whole prompt gave first tokens sooner than 256
-    # (W1 served at 1, 2, 4 requests/s, AMD EPYC: TTFT median 203 / 223 / 268 ms against 207 / 235 /
-    # 299), while ITL p99 rose from 141 / 169 / 171 to 163 / 241 / 298 ms, still below vLLM's.
+    # does not stall every decode for a whole long step (scheduler.py; the cap lifts while more than
+    # step_budget.BACKLOG requests wait). vLLM's name: vLLM caps each request's chunk; this caps the
+    # step, and only while something decodes. The default takes W1's prompts (up to 512 tokens) whole:
+    # since the C++ matmuls skip a step's padding, one step of a whole prompt gave first tokens sooner
+    # than 256 (W1 served at 1, 2, 4 requests/s, AMD EPYC: TTFT median 203 / 223 / 268 ms against 207 /
+    # 235 / 299), while ITL p99 rose from 141 / 169 / 171 to 163 / 241 / 298 ms, still below vLLM's.
     long_prefill_token_threshold: int = _option(
         512, "a step's tokens while sequences decode, prompts filling the rest (0: no cap)")
     # A prompt that cannot finish in this step waits while that many are part-way; 1 finishes prompts
