@@ -1,10 +1,11 @@
 """The model's matmuls on the CPU: XLA's dot against the C++ matmul over packed weights
 (kernels_pallas/cpu/linear.cc), alternating in one process; with --onednn, oneDNN's matmul over
-its own panels (onednn_linear.cc, which the engine takes for steps of many tokens), and with --int8,
-the int8 matmul (linear_int8.cc), beside them.
+its own panels (onednn_linear.cc, which the engine takes for steps of many tokens), with --int8,
+the int8 matmul (linear_int8.cc), and with --fma, on a CPU with AMX, the C++ matmul with its tile
+kernel off (linear_amx.h), beside them.
 
     python scripts/bench_matmul_cpu.py                  # SmolLM2-135M's 30 layers, float32
-    python scripts/bench_matmul_cpu.py --rows 16 1024 --rounds 9 --int8 --onednn
+    python scripts/bench_matmul_cpu.py --rows 16 1024 --rounds 9 --int8 --onednn --fma
 
 Each call runs every layer's four matmuls (fused q/k/v, o, fused gate/up, down, with SwiGLU between)
 on `rows` token rows, so the weights (430 MB) stream from memory as in an engine step. Prints the
@@ -41,6 +42,17 @@ def layer_fn(hidden: int, intermediate: int, qkv: int, linear=None):
     return layer
 
 
+def _without_amx(f):
+    """f, called with the C++ matmul's tile kernel off."""
+    def call(x, w):
+        cpu_kernel.use_amx(False)
+        try:
+            return jax.block_until_ready(f(x, w))
+        finally:
+            cpu_kernel.use_amx(True)
+    return call
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=576)
@@ -51,6 +63,8 @@ def main():
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--int8", action="store_true", help="also the int8 matmul (weights per column, rows at run time)")
     p.add_argument("--onednn", action="store_true", help="also oneDNN's matmul (float32, its BA16a64b panels)")
+    p.add_argument("--fma", action="store_true",
+                   help="also the C++ matmul on its FMA kernel alone, the tile unit off (where AMX is usable)")
     args = p.parse_args()
     h, i = args.hidden, args.intermediate
     rng = np.random.default_rng(0)
@@ -65,6 +79,9 @@ def main():
         fns["onednn"] = (run(cpu_kernel.linear_onednn_cpu),
                          [{k: cpu_kernel.pack_panels(w) for k, w in layer.items()} for layer in weights])
         extras["onednn"] = "GFLOP/s"
+    if args.fma and cpu_kernel.amx_usable():
+        fns["fma"] = (_without_amx(run(cpu_kernel.linear_cpu)), packed)
+        extras["fma"] = "GFLOP/s"
     if args.int8:
         fns["int8"] = (run(cpu_kernel.linear_int8_cpu),
                        [{k: cpu_kernel.pack_int8(w) for k, w in layer.items()} for layer in weights])

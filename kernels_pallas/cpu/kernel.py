@@ -31,7 +31,7 @@ from kernels_pallas.layout import TOKEN_MAJOR, page_dims, strides
 
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc", "linear_int8.cc", "kv_write.cc"))
-_HEADERS = (_HERE / "common.h",)
+_HEADERS = (_HERE / "common.h", _HERE / "linear_amx.h")
 _ONEDNN_SOURCES = (_HERE / "onednn_linear.cc",)
 _TARGET = "paged_jax_paged_attention_cpu"
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the attention kernel reads
@@ -117,6 +117,8 @@ def build_error() -> str | None:
     jax.ffi.register_ffi_target(_UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")
     if os.environ.get("PAGED_JAX_CPU_HELPERS") == "0":
         library.PagedJaxCpuHelpers(0)
+    if os.environ.get("PAGED_JAX_CPU_AMX") == "0":
+        library.PagedJaxCpuAmx(0)
     return None
 
 
@@ -188,6 +190,21 @@ def use_helpers(on: bool) -> None:
     if not available():
         raise RuntimeError("the CPU kernel library could not be built")
     _library.PagedJaxCpuHelpers(int(on))
+
+
+def amx_usable() -> bool:
+    """Whether linear_cpu multiplies calls of many rows on the CPU's tile unit (linear_amx.h): built
+    for a CPU with AMX, and the OS lends it."""
+    return available() and bool(_library.PagedJaxCpuAmxUsable())
+
+
+def use_amx(on: bool) -> None:
+    """Whether linear_cpu takes the tile unit where it can (the default) or its FMA kernel at every
+    size. For comparing the two in one process (scripts/bench_matmul_cpu.py --compare-amx);
+    PAGED_JAX_CPU_AMX=0 keeps to the FMA kernel for a whole process."""
+    if not available():
+        raise RuntimeError("the CPU kernel library could not be built")
+    _library.PagedJaxCpuAmx(int(on))
 
 
 def available() -> bool:

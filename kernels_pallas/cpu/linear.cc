@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "linear_amx.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -39,6 +40,11 @@ constexpr int kPanel = 16;  // columns per packed panel: the packed format, what
 // A tile of out in registers: AVX-512 has 32 vector registers, AVX2 16.
 constexpr int kRows = kLanes == 16 ? 12 : 6, kTilePanels = kLanes == 16 ? 2 : 1;
 constexpr int kVecsPerPanel = kPanel / kLanes;
+// From this many rows, the tile unit where the CPU has one (linear_amx.h). Below, each split weight is
+// shared by too few rows to pay for its split: on the Xeon of linear_amx.h, 32 rows took 47 ms
+// against the FMA kernel's 36, 48 rows 51-55 against 47-49, 64 rows 56-64 against 57-66, 128 rows
+// 78-81 against 102-107 (bench_matmul_cpu.py --fma, 30 layers).
+constexpr int64_t kAmxMinRows = 64;
 
 // out[0:MR, 0:n_valid] = x[0:MR, :] @ the NP panels at w; rows of x are ldx apart, of out ldo apart.
 // Meanwhile prefetches its share of the next item.
@@ -91,6 +97,10 @@ ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   float* outs = out->typed_data();
   const int64_t M = paged_jax::ComputedRows(rows, xd[0], outs, N);
   if (M == 0) return ffi::Error::Success();
+#if PAGED_JAX_AMX
+  if (M >= kAmxMinRows && paged_jax::amx::Linear<kTilePanels>(pool, xs, ws, outs, M, K, P, N))
+    return ffi::Error::Success();
+#endif
   const int64_t items = (P + kTilePanels - 1) / kTilePanels;
   const int64_t tiles = (M + kRows - 1) / kRows;
   paged_jax::ItemRuns runs(items, paged_jax::Sharers(pool, items, M));
@@ -126,3 +136,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpuF32, LinearF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether the tile kernel runs where it can (linear_amx.h); whether it can: 1 if this build has it and
+// the OS lends the tile unit.
+extern "C" void PagedJaxCpuAmx(int on) {
+#if PAGED_JAX_AMX
+  paged_jax::amx::on.store(on != 0);
+#endif
+}
+extern "C" int PagedJaxCpuAmxUsable() {
+#if PAGED_JAX_AMX
+  return paged_jax::amx::Usable();
+#else
+  return 0;
+#endif
+}
