@@ -33,6 +33,23 @@ def test_matches_float64_matmul(rows):
         assert np.all(np.abs(got - want) <= 1e-6 * k * scale + 1e-30), (rows, k, n)
 
 
+@pytest.mark.parametrize("tiles", (True, False))
+def test_tile_and_fma_kernels_each_match_float64_matmul(tiles):
+    """Calls of kAmxMinRows rows and more go to the tile unit where the CPU has AMX (linear_amx.h:
+    six bfloat16 products of split parts), to the FMA kernel where it has not or with use_amx(False):
+    either way, float32's accuracy."""
+    linear = jax.jit(cpu_kernel.linear_cpu, static_argnames="n")
+    try:
+        cpu_kernel.use_amx(tiles)
+        for rows, (k, n) in zip((64, 97, 131), [(576, 960), (1536, 576), (100, 48)]):
+            x, w = _random((rows, k), rows), _random((k, n), k)
+            got = np.asarray(linear(jnp.asarray(x), cpu_kernel.pack_columns(jnp.asarray(w)), n=n))
+            scale = np.abs(x).astype(np.float64) @ np.abs(w)
+            assert np.all(np.abs(got - x.astype(np.float64) @ w) <= 1e-6 * k * scale + 1e-30), (rows, k, n)
+    finally:
+        cpu_kernel.use_amx(True)
+
+
 def test_packing_round_trips_and_pads_with_zeros():
     w = _random((7, 37), 0)
     packed = cpu_kernel.pack_columns(jnp.asarray(w))
