@@ -49,6 +49,7 @@ constexpr int kProducts = 6;
 constexpr int kXPart[kProducts] = {0, 0, 0, 1, 1, 2}, kWPart[kProducts] = {0, 1, 2, 0, 1, 0};
 constexpr int64_t kTileWords = kTile * kDepth;
 constexpr int64_t kGroupBytes = 512 << 10;  // split weights kept in L2 at once (Linear)
+constexpr int kMaxGroup = 8;                 // items a group at most
 
 // Off: the FMA kernel at every size (kernel.py: use_amx, PAGED_JAX_CPU_AMX=0), for comparing the two.
 inline std::atomic<bool> on{true};
@@ -199,10 +200,10 @@ bool Linear(xla::ffi::ThreadPool& pool, const float* x, const float* w, float* o
     // Items go in groups whose split weights stay in L2 while every row pair passes them, each pair's
     // rows then read from L2 once a group rather than once an item.
     const int64_t item_words = Kt * kParts * kItemPanels * kTile;
-    const int64_t group = std::clamp<int64_t>(kGroupBytes / (2 * item_words), 1, 8);
+    const int64_t group = std::clamp<int64_t>(kGroupBytes / (2 * item_words), 1, kMaxGroup);
     uint16_t* ws = Scratch(1, group * item_words);
     alignas(64) float sums[kPair * kItemPanels * kTile];
-    int64_t end = 0, first[8];
+    int64_t end = 0, first[kMaxGroup];
     for (int64_t i = runs.Next(-1, &end); i < items;) {
       int64_t g = 0;
       for (; g < group && i < items; ++g, i = runs.Next(i, &end)) {
