@@ -200,7 +200,7 @@ def amx_usable() -> bool:
 
 def use_amx(on: bool) -> None:
     """Whether linear_cpu takes the tile unit where it can (the default) or its FMA kernel at every
-    size. For comparing the two in one process (scripts/bench_matmul_cpu.py --compare-amx);
+    size. For comparing the two in one process (scripts/bench_matmul_cpu.py --fma);
     PAGED_JAX_CPU_AMX=0 keeps to the FMA kernel for a whole process."""
     if not available():
         raise RuntimeError("the CPU kernel library could not be built")
