@@ -98,7 +98,8 @@ ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   const int64_t M = paged_jax::ComputedRows(rows, xd[0], outs, N);
   if (M == 0) return ffi::Error::Success();
 #if PAGED_JAX_AMX
-  if (M >= kAmxMinRows && paged_jax::amx::Linear<kTilePanels>(pool, xs, ws, outs, M, K, P, N))
+  static_assert(paged_jax::amx::kItemPanels == kTilePanels, "both kernels share the work items' width");
+  if (M >= kAmxMinRows && paged_jax::amx::Linear(pool, xs, ws, outs, M, K, P, N))
     return ffi::Error::Success();
 #endif
   const int64_t items = (P + kTilePanels - 1) / kTilePanels;

@@ -50,6 +50,7 @@ constexpr int kXPart[kProducts] = {0, 0, 0, 1, 1, 2}, kWPart[kProducts] = {0, 1,
 constexpr int64_t kTileWords = kTile * kDepth;
 constexpr int64_t kGroupBytes = 512 << 10;  // split weights kept in L2 at once (Linear)
 constexpr int kMaxGroup = 8;                 // items a group at most
+constexpr int kItemPanels = 2;               // 16-column panels a work item: linear.cc's kTilePanels
 
 // Off: the FMA kernel at every size (kernel.py: use_amx, PAGED_JAX_CPU_AMX=0), for comparing the two.
 inline std::atomic<bool> on{true};
@@ -181,10 +182,8 @@ void Tiles(const uint16_t* xs, int64_t Kt, int64_t q, const uint16_t* ws, float*
 
 // out [M, N] = x [M, K] @ w (P float32 panels [K][16]), in work items of kItemPanels panels shared out
 // over threads as linear.cc's FMA kernel does. False, having done nothing, where the OS refuses AMX.
-template <int kItemPanels>
-bool Linear(xla::ffi::ThreadPool& pool, const float* x, const float* w, float* out, int64_t M, int64_t K,
-            int64_t P, int64_t N) {
-  static_assert(kItemPanels == 2);
+inline bool Linear(xla::ffi::ThreadPool& pool, const float* x, const float* w, float* out, int64_t M, int64_t K,
+                   int64_t P, int64_t N) {
   if (!on.load() || !Usable()) return false;
   const int64_t pairs = (M + kPair - 1) / kPair, Kt = (K + kDepth - 1) / kDepth * kDepth;
   const int64_t items = (P + kItemPanels - 1) / kItemPanels;

@@ -20,17 +20,22 @@ def _random(shape, seed):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+def _assert_float32_accurate(got, x, w):
+    """got against float64's x @ w: float32 sums of k products, each bounded relative to the size of a
+    row's terms, not of the result."""
+    k = x.shape[1]
+    scale = np.abs(x).astype(np.float64) @ np.abs(w)
+    assert np.all(np.abs(got - x.astype(np.float64) @ w) <= 1e-6 * k * scale + 1e-30), (x.shape, w.shape)
+
+
 @pytest.mark.parametrize("rows", ROWS)
 def test_matches_float64_matmul(rows):
     linear = jax.jit(cpu_kernel.linear_cpu, static_argnames="n")
     for i, (k, n) in enumerate(SHAPES):
         x, w = _random((rows, k), i), _random((k, n), 100 + i)
         got = np.asarray(linear(jnp.asarray(x), cpu_kernel.pack_columns(jnp.asarray(w)), n=n))
-        want = x.astype(np.float64) @ w
         assert got.shape == (rows, n)
-        # float32 sums of k products: relative to the size of a row's terms, not of the result.
-        scale = np.abs(x).astype(np.float64) @ np.abs(w)
-        assert np.all(np.abs(got - want) <= 1e-6 * k * scale + 1e-30), (rows, k, n)
+        _assert_float32_accurate(got, x, w)
 
 
 @pytest.mark.parametrize("tiles", (True, False))
@@ -43,9 +48,8 @@ def test_tile_and_fma_kernels_each_match_float64_matmul(tiles):
         cpu_kernel.use_amx(tiles)
         for rows, (k, n) in zip((64, 97, 131), [(576, 960), (1536, 576), (100, 48)]):
             x, w = _random((rows, k), rows), _random((k, n), k)
-            got = np.asarray(linear(jnp.asarray(x), cpu_kernel.pack_columns(jnp.asarray(w)), n=n))
-            scale = np.abs(x).astype(np.float64) @ np.abs(w)
-            assert np.all(np.abs(got - x.astype(np.float64) @ w) <= 1e-6 * k * scale + 1e-30), (rows, k, n)
+            _assert_float32_accurate(np.asarray(linear(jnp.asarray(x), cpu_kernel.pack_columns(jnp.asarray(w)), n=n)),
+                                     x, w)
     finally:
         cpu_kernel.use_amx(True)
 
