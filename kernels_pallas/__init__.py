@@ -82,10 +82,14 @@ def paged_attention(
     scale: float | None = None,
     backend: str = "auto",
     layout: str = TOKEN_MAJOR,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """q: [num_tokens, num_heads, head_dim]; pages in `layout` (layout.LAYOUTS): token-major
     [num_blocks, block_size, num_kv_heads, head_dim] or head-major [num_blocks, num_kv_heads,
     block_size, head_dim]. Every backend reads either.
+    sliding_window: a static int, or None. A query at position p attends only to keys at positions
+    > p - sliding_window (the layer's window, Mistral's and Gemma's sliding layers); every backend
+    reads only those keys' pages.
 
     A float32 model may keep a bfloat16 cache (EngineConfig.kv_cache_dtype). The CPU backends
     compute in float32 whatever the pages hold, so they take q as float32 (the C++ kernel always:
@@ -101,7 +105,9 @@ def paged_attention(
     else:
         q_in = q.astype(k_pages.dtype)
     args = (q_in, k_pages, v_pages, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
-    options = dict(max_query_len=metadata.max_query_len, scale=scale, layout=layout)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    options = dict(max_query_len=metadata.max_query_len, scale=scale, layout=layout, sliding_window=sliding_window)
     if backend in ("pallas", "pallas_interpret"):
         out = _pallas_kernel.paged_attention(*args, **options, interpret=backend == "pallas_interpret")
     elif backend == "cpu":

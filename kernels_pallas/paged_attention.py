@@ -22,6 +22,10 @@ head, dim), so block_size need not divide block_k or be a power of two, and no r
 token-major tile is block_size rows of head_dim at a stride of num_kv_heads * head_dim, a head-major
 tile is block_size * head_dim contiguous values (as JAX's own kernel reads its pages).
 
+Sliding window (a query at position p sees keys at positions > p - window): a program starts its walk
+at the tile of its first row's first visible key, loads nothing before that key, and masks each row's
+own bound. The window is static: one program per window.
+
 NaN-safety: K/V slots past seq_len are loaded masked, as 0, and masked scores are replaced (never
 multiplied) by a mask value; padded query rows and heads are never stored, and tokens of no sequence
 keep the zeros the output starts with.
@@ -62,6 +66,7 @@ def paged_attention_kernel(
     block_q: int,
     block_k: int,
     layout: str,
+    window: int | None,
 ):
     del o_zeros_ref  # only there to give o_ref its zeros
     seq, kv_head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -93,12 +98,14 @@ def paged_attention_kernel(
     # Keys past the last valid query's position are causally masked for the whole tile: skip them.
     last_q = jnp.minimum((q_block + 1) * block_q, q_len)
     kv_end = jnp.where(q_block * block_q < q_len, seq_len - q_len + last_q, 0)
+    # Keys before the first row's window are masked for the whole tile: never loaded.
+    kv_start = 0 if window is None else jnp.maximum(seq_len - q_len + q_block * block_q - window + 1, 0)
     col = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # [block_k, 1]
 
     def body(i, carry):
         acc, m_prev, l_prev = carry  # [rows, head_dim], [rows, 1], [rows, 1] (f32)
         kv_pos = i * block_k + col  # [block_k, 1]
-        kv_valid = kv_pos < seq_len
+        kv_valid = (kv_pos < seq_len) & (kv_pos >= kv_start)
         # Table entries past the sequence's last block may hold anything: clamp the table read, and
         # the masked loads below never dereference the pages of invalid positions.
         page = block_tables_ref[seq, jnp.minimum(kv_pos // block_size, max_blocks - 1)]  # [block_k, 1]
@@ -112,6 +119,8 @@ def paged_attention_kernel(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )  # [rows, block_k]
         mask = kv_valid.T & (kv_pos.T <= q_pos)  # [rows, block_k]
+        if window is not None:
+            mask &= kv_pos.T > q_pos - window
         s = jnp.where(mask, s * scale, MASK_VALUE)
 
         # Every valid row sees key 0 in the first tile, so from then on m is a real score and
@@ -119,6 +128,11 @@ def paged_attention_kernel(
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_new)
         p = jnp.exp(s - m_new)  # [rows, block_k]
+        if window is not None:
+            # A row whose window starts after the first tile's keys has no real score there (m stays
+            # MASK_VALUE, and its masked keys would weigh exp(0) = 1 until its first real score
+            # rescales them away): zero them outright.
+            p = jnp.where(mask, p, 0.0)
         l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         pv = lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
@@ -131,14 +145,14 @@ def paged_attention_kernel(
         jnp.full((rows, 1), MASK_VALUE, jnp.float32),
         jnp.zeros((rows, 1), jnp.float32),
     )
-    acc, _, l = lax.fori_loop(0, pl.cdiv(kv_end, block_k), body, init)
+    acc, _, l = lax.fori_loop(kv_start // block_k, pl.cdiv(kv_end, block_k), body, init)
     # l >= 1 on valid rows; the others (l may be 0) are not stored.
     plgpu.store(o_ref.at[token, head, dim], (acc / l).astype(o_ref.dtype), mask=row_valid)
 
 
 def _pallas_call(
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
-    max_query_len, scale, block_q, block_k, num_warps, num_stages, interpret, layout,
+    max_query_len, scale, block_q, block_k, num_warps, num_stages, interpret, layout, sliding_window,
 ):
     num_heads = q.shape[1]
     num_kv_heads = page_dims(k_pages, layout)[2]
@@ -146,7 +160,7 @@ def _pallas_call(
     group_pad = pl.next_power_of_2(group)
     kernel = functools.partial(
         paged_attention_kernel, scale=scale, group=group, group_pad=group_pad, block_q=block_q,
-        block_k=block_k, layout=layout,
+        block_k=block_k, layout=layout, window=sliding_window,
     )
     # No BlockSpecs: tiles are ragged (a sequence's tokens start anywhere) and paged, so the kernel
     # computes its own indices into whole arrays. The output starts as zeros (aliased in, so it is
@@ -158,7 +172,7 @@ def _pallas_call(
         input_output_aliases={6: 0},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention_{layout}_{block_q=}_{block_k=}_{group_pad=}",
+        name=f"paged_attention_{layout}_{block_q=}_{block_k=}_{group_pad=}_window={sliding_window or 0}",
     )(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, jnp.zeros_like(q))
 
 
@@ -223,7 +237,7 @@ def _check_blocks(block_q, block_k, group):
 @functools.partial(
     jax.jit,
     static_argnames=("max_query_len", "scale", "block_q", "block_k", "num_warps", "num_stages", "interpret",
-                     "layout"),
+                     "layout", "sliding_window"),
 )
 def paged_attention(
     q: jax.Array,
@@ -241,6 +255,7 @@ def paged_attention(
     num_stages: int = 2,
     interpret: bool = False,
     layout: str = TOKEN_MAJOR,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged new tokens over their sequences' paged K/V (Pallas, Triton backend).
 
@@ -260,9 +275,12 @@ def paged_attention(
     num_warps, num_stages: Triton launch parameters.
     interpret: run the kernel body with the Pallas interpreter (any platform, slow).
     layout: of the pages, "token_major" or "head_major" (layout.LAYOUTS).
+    sliding_window: a query at position p sees only keys at positions > p - sliding_window; None: all.
     returns [num_tokens, num_heads, head_dim] in q's dtype; rows of padding tokens are 0.
     """
     _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len, layout)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     group = q.shape[1] // page_dims(k_pages, layout)[2]
     block_q = default_block_q(max_query_len, group) if block_q is None else block_q
     _check_blocks(block_q, block_k, group)
@@ -270,5 +288,5 @@ def paged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
         max_query_len=max_query_len, scale=q.shape[2] ** -0.5 if scale is None else scale,
         block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        layout=layout,
+        layout=layout, sliding_window=sliding_window,
     )

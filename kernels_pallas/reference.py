@@ -17,6 +17,7 @@ def paged_attention_reference(
     max_query_len: int,
     scale: float | None = None,
     layout: str = TOKEN_MAJOR,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged new tokens over their sequences' paged K/V.
 
@@ -28,6 +29,8 @@ def paged_attention_reference(
     seq_lens: int32 [num_seqs]; 0 for padding sequences.
     query_start_loc: int32 [num_seqs + 1]
     max_query_len: static bound on new tokens per sequence.
+    sliding_window: static; a query at position p sees only keys at positions > p - sliding_window
+        (None: the whole context).
     returns [num_tokens, num_heads, head_dim] in q's dtype; rows of padding tokens are 0.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -40,10 +43,13 @@ def paged_attention_reference(
     v = gather_kv(v_pages, block_tables, layout).astype(jnp.float32)
     kv_pos = jnp.arange(k.shape[1])
     kv_valid = kv_pos[None, :] < seq_lens[:, None]  # [S, K]
-    # Unwritten slots may hold anything (NaN included): mask values, not just scores.
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    if sliding_window is not None:  # nothing before the first new token's window is read
+        kv_valid &= kv_pos[None, :] > (seq_lens - q_lens)[:, None] - sliding_window
+    # Unwritten slots, and slots the window has left, may hold anything (NaN included): mask values,
+    # not just scores.
     v = jnp.where(kv_valid[:, :, None, None], v, 0.0)
 
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
     qi = jnp.arange(max_query_len)
     q_valid = qi[None, :] < q_lens[:, None]  # [S, Q]
     q_idx = jnp.where(q_valid, query_start_loc[:-1, None] + qi[None, :], num_tokens)  # [S, Q]
@@ -52,6 +58,8 @@ def paged_attention_reference(
     q_pos = seq_lens[:, None] - q_lens[:, None] + qi[None, :]  # [S, Q]
 
     mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
+    if sliding_window is not None:
+        mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     scores = jnp.einsum("sqhgd,skhd->shgqk", qs, k) * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)

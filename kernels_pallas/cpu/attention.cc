@@ -15,6 +15,10 @@
 // consecutive slots of a page and between consecutive KV heads. Token-major pages have slot stride
 // num_kv_heads * head_dim and head stride head_dim; head-major pages the reverse order, head_dim and
 // block_size * head_dim, so a (block, KV head) tile is contiguous. Every read is a row of head_dim.
+//
+// A sliding window (attribute sliding_window > 0: a query at position p sees keys at positions
+// > p - sliding_window) moves where each work item starts reading: no key, K or V, before the first
+// visible one of the item's earliest query is read, so pages the window has left behind may hold anything.
 
 #include <algorithm>
 #include <atomic>
@@ -108,7 +112,13 @@ inline void Transpose(paged_jax::Vec (&rows)[paged_jax::kLanes]) {
 struct Shapes {
   int64_t num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, num_seqs, max_blocks;
   int64_t slot_stride, head_stride;  // elements between a page's consecutive slots / KV heads
+  int64_t window;  // sliding window, 0 for none
 };
+
+// The first key position a query at position `pos` sees.
+inline int FirstVisible(const Shapes& sh, int pos) {
+  return sh.window > 0 ? std::max<int>(0, pos - (int)sh.window + 1) : 0;
+}
 
 struct WorkItem {
   int seq, kv_head, first, last;  // new tokens [first, last) of sequence seq
@@ -183,17 +193,18 @@ void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v
   const int padded = (rows + kTileRows - 1) / kTileRows * kTileRows;  // padding rows: q = 0, never stored
   std::vector<float> qrows(padded * D, 0.0f), acc(padded * D, 0.0f), s(padded * kChunk), kt(D * kChunk);
   std::vector<float> m(padded, kNoScore), l(padded, 0.0f);
-  std::vector<int> limit(padded);  // the last position each row sees (causal), ascending
+  std::vector<int> limit(padded), from(padded);  // the last and first positions each row sees, ascending
   for (int r = 0; r < padded; ++r) {
     const int i = w.first + std::min(r, rows - 1) / G;
     limit[r] = seq_len - q_len + i;
+    from[r] = FirstVisible(sh, limit[r]);
     if (r >= rows) continue;
     const float* src = q + ((q_start + i) * sh.num_heads + w.kv_head * G + r % G) * D;
     for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d] * scale;
   }
   const KV* k_rows[kChunk];
   const KV* v_rows[kChunk];
-  for (int c0 = 0; c0 <= limit[padded - 1]; c0 += kChunk) {
+  for (int c0 = from[0]; c0 <= limit[padded - 1]; c0 += kChunk) {
     // Only written slots are read (the rest may hold NaN); kt's columns past n are zero.
     const int n = std::min(kChunk, limit[padded - 1] + 1 - c0);
     for (int t = 0; t < n; ++t) {
@@ -215,22 +226,24 @@ void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v
       for (int64_t d = 0; d < D; ++d) std::fill(&kt[d * kChunk + n], &kt[d * kChunk + kChunk], 0.0f);
     }
     for (int r0 = 0; r0 < padded; r0 += kTileRows) {
-      if (limit[r0 + kTileRows - 1] < c0) continue;  // the tile sees none of this chunk
+      if (limit[r0 + kTileRows - 1] < c0 || from[r0] >= c0 + n) continue;  // the tile sees none of this chunk
       float* st = &s[r0 * kChunk];
       for (int c = 0; c < n; c += 2 * L) ScoreTile(&qrows[r0 * D], &kt[c], D, st + c);
       for (int r = r0; r < r0 + kTileRows; ++r) {  // the online softmax over the positions row r sees
         float* sr = &s[r * kChunk];
-        const float seen = (float)std::clamp(limit[r] - c0 + 1, 0, n);
+        const float seen = (float)std::clamp(limit[r] - c0 + 1, 0, n), first = (float)(from[r] - c0);
         Vec chunk_max = Vec{} + kNoScore;
         for (int t0 = 0; t0 < n; t0 += L) {
-          const Vec masked = LanePositions(t0) < seen ? paged_jax::Load(sr + t0) : Vec{} + kNoScore;
+          const Vec lanes = LanePositions(t0);
+          const Vec masked = (lanes < seen) & (lanes >= first) ? paged_jax::Load(sr + t0) : Vec{} + kNoScore;
           chunk_max = chunk_max > masked ? chunk_max : masked;
         }
         const float m_new = std::max(m[r], Max(chunk_max)), alpha = std::exp(m[r] - m_new);
         Vec sum{};
         for (int t0 = 0; t0 < n; t0 += L) {  // past n: scores of kt's zero columns, never read
           const Vec e = ExpNonPositive(paged_jax::Load(sr + t0) - m_new);
-          const Vec kept = LanePositions(t0) < seen ? e : Vec{};
+          const Vec lanes = LanePositions(t0);
+          const Vec kept = (lanes < seen) & (lanes >= first) ? e : Vec{};
           paged_jax::Store(sr + t0, kept);
           sum += kept;
         }
@@ -317,9 +330,10 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
   std::vector<float> acc(H * G * D, 0.0f), m(H * G, kNoScore), l(H * G, 0.0f);
   alignas(64) float p[kMaxBlockSize];
   const float* q_token = q + token * sh.num_heads * D;
-  const int64_t blocks = (seq_len + BS - 1) / BS;
-  for (int64_t b = 0; b < blocks; ++b) {
+  const int64_t blocks = (seq_len + BS - 1) / BS, lo = FirstVisible(sh, seq_len - 1);
+  for (int64_t b = lo / BS; b < blocks; ++b) {
     const int n = (int)std::min<int64_t>(BS, seq_len - b * BS);  // written slots only: the rest may hold NaN
+    const int first = (int)std::max<int64_t>(0, lo - b * BS);  // slots before the window: never read
     for (int64_t h = 0; h < H; ++h) {
       const KV* kb = k_pages + (int64_t)table[b] * block_stride + h * hs;
       const KV* vb = v_pages + (int64_t)table[b] * block_stride + h * hs;
@@ -341,13 +355,14 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
         Vec block_max = Vec{} + kNoScore;
         for (int t0 = 0; t0 < n; t0 += L) {
           const Vec s = SumLanes([&](int j) {
-            if (t0 + j >= n) return Vec{};
+            if (t0 + j >= n || t0 + j < first) return Vec{};
             const KV* row = kb + (t0 + j) * ss;
             Vec dot = qv[0] * Load(row);
             for (int v = 1; v < V; ++v) dot += qv[v] * Load(row + v * L);
             return dot;
           });
-          const Vec masked = LanePositions(t0) < (float)n ? s : Vec{} + kNoScore;
+          const Vec lanes = LanePositions(t0);
+          const Vec masked = (lanes < (float)n) & (lanes >= (float)first) ? s : Vec{} + kNoScore;
           paged_jax::Store(p + t0, masked);
           block_max = block_max > masked ? block_max : masked;
         }
@@ -355,7 +370,8 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
         Vec sum{};
         for (int t0 = 0; t0 < n; t0 += L) {
           const Vec e = ExpNonPositive(Load(p + t0) - m_new);
-          const Vec kept = LanePositions(t0) < (float)n ? e : Vec{};  // masked lanes: exactly 0
+          const Vec lanes = LanePositions(t0);
+          const Vec kept = (lanes < (float)n) & (lanes >= (float)first) ? e : Vec{};  // masked lanes: exactly 0
           paged_jax::Store(p + t0, kept);
           sum += kept;
         }
@@ -363,7 +379,7 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
         m[r] = m_new;
         for (int v = 0; v < V; ++v) a[v] = Load(&acc[r * D + v * L]) * alpha;
         const int64_t g = r - h * G;
-        for (int t = 0; t < n; ++t) {
+        for (int t = first; t < n; ++t) {
           if (const int64_t i = g * n + t; i < 2 * next_n) {
             const KV* ahead = i < next_n ? next_k + i * ss : next_v + (i - next_n) * ss;
             for (int64_t j = 0; j < kLinesPerRow; ++j) __builtin_prefetch(ahead + j * (64 / sizeof(KV)), 0, 2);
@@ -426,13 +442,16 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                           float scale, int64_t block_size, int64_t num_kv_heads,
-                          int64_t slot_stride, int64_t head_stride, ffi::ResultBuffer<ffi::F32> out) {
+                          int64_t slot_stride, int64_t head_stride, int64_t sliding_window,
+                          ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), pd = k_pages.dimensions(), bd = block_tables.dimensions();
   const ffi::DataType page_type = k_pages.element_type();
   if (v_pages.element_type() != page_type || (page_type != ffi::DataType::F32 && page_type != ffi::DataType::BF16) ||
       pd.size() != 4 || v_pages.dimensions().size() != 4 || v_pages.element_count() != k_pages.element_count())
     return ffi::Error::InvalidArgument("paged attention: K and V pages must be 4-d, of one shape, float32 or bfloat16");
-  const Shapes sh{qd[0], qd[1], qd[2], pd[0], block_size, num_kv_heads, bd[0], bd[1], slot_stride, head_stride};
+  if (sliding_window < 0) return ffi::Error::InvalidArgument("paged attention: sliding_window must be >= 0");
+  const Shapes sh{qd[0], qd[1], qd[2], pd[0], block_size, num_kv_heads, bd[0], bd[1], slot_stride, head_stride,
+                  sliding_window};
   // Strides that could step outside a block must fail here rather than read outside the buffers.
   if (pd[1] * pd[2] != block_size * num_kv_heads || pd[3] != sh.head_dim || sh.num_heads % num_kv_heads ||
       (num_kv_heads - 1) * head_stride + (block_size - 1) * slot_stride + sh.head_dim > pd[1] * pd[2] * pd[3])
@@ -450,7 +469,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     // Bad metadata must fail loudly here rather than read outside the buffers.
     if (starts[s] < 0 || starts[s + 1] > sh.num_tokens || q_len > lens[s] || lens[s] > sh.max_blocks * sh.block_size)
       return ffi::Error::InvalidArgument("paged attention: inconsistent seq_lens / query_start_loc");
-    for (int64_t b = 0; b * sh.block_size < lens[s]; ++b)
+    for (int64_t b = FirstVisible(sh, lens[s] - q_len) / sh.block_size; b * sh.block_size < lens[s]; ++b)
       if (tables[s * sh.max_blocks + b] < 0 || tables[s * sh.max_blocks + b] >= sh.num_blocks)
         return ffi::Error::InvalidArgument("paged attention: block table entry outside the page pool");
     if (q_len == 1 && decode_rows) {
@@ -492,6 +511,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpu, PagedAttention,
                                   .Attr<int64_t>("num_kv_heads")
                                   .Attr<int64_t>("slot_stride")
                                   .Attr<int64_t>("head_stride")
+                                  .Attr<int64_t>("sliding_window")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // A buffer XLA allocates and nobody writes. The KV cache is made of these: a large allocation is

@@ -240,6 +240,7 @@ def paged_attention_cpu(
     max_query_len: int,
     scale: float | None = None,
     layout: str = TOKEN_MAJOR,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Same contract as paged_attention_reference, computed in float32 over float32 or bfloat16 pages.
 
@@ -251,6 +252,7 @@ def paged_attention_cpu(
     q: f32 [num_tokens, num_heads, head_dim]; k_pages, v_pages: f32 or bf16 pages (one dtype) in
     `layout` (layout.py; the kernel is told the layout's strides); block_tables: int32 [num_seqs,
     max_blocks_per_seq]; seq_lens: int32 [num_seqs]; query_start_loc: int32 [num_seqs + 1].
+    sliding_window: a query at position p sees keys at positions > p - sliding_window (None: all).
     Returns f32 [num_tokens, num_heads, head_dim]. max_query_len is the seam's static bound, unused:
     the kernel reads each row's length at run time.
     """
@@ -263,7 +265,8 @@ def paged_attention_cpu(
     args = (q, k_pages, v_pages, block_tables.astype(np.int32), seq_lens.astype(np.int32),
             query_start_loc.astype(np.int32))
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(*args, scale=np.float32(scale), **layout_attributes(k_pages, layout))
+    return call(*args, scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
+                **layout_attributes(k_pages, layout))
 
 
 def write_kv_cpu(k_pages: jax.Array, v_pages: jax.Array, *, slot_mapping: jax.Array, k: jax.Array, v: jax.Array,

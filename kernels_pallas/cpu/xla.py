@@ -22,6 +22,11 @@ puts them in the [kv_heads, tokens, head_dim] order the dots want, one transposi
 Rows are told apart by their token counts at run time, so any batch takes the fast path for each
 row; the caller need not order or flag them.
 
+A sliding window (a query at position p sees keys at positions > p - window) moves where each loop
+starts: a decode group at the chunk of its earliest row's first visible key, a tile at the chunk of its
+first token's. Keys before the window are masked as keys past the end are, V zeroed, so pages the
+window has left behind may hold anything.
+
 Why the shapes are what they are (measured on 2 AVX-512 cores; see scripts/bench_attention_cpu.py):
 XLA cannot fuse a gather into a dot, so each chunk's pages are copied into a small buffer that the
 dots then read from cache. That copy runs at 5-15 GB/s on pages in random order, well under a
@@ -61,6 +66,7 @@ def paged_attention_xla(
     prefill_tile: int = 256,
     prefill_chunk_pages: int = 16,
     layout: str = TOKEN_MAJOR,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged new tokens over their sequences' paged K/V, for XLA on the CPU.
 
@@ -78,6 +84,7 @@ def paged_attention_xla(
     prefill_tile: new tokens per query tile of the other rows.
     prefill_chunk_pages: pages per online-softmax step of a query tile.
     layout: of the pages, "token_major" or "head_major" (layout.LAYOUTS).
+    sliding_window: a query at position p sees only keys at positions > p - sliding_window; None: all.
     returns [num_tokens, num_heads, head_dim] in q's dtype; rows of padding tokens are 0.
     """
     _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len, layout)
@@ -87,42 +94,47 @@ def paged_attention_xla(
     ).items():
         if knob < 1:
             raise ValueError(f"{name} must be >= 1, got {knob}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     return _paged_attention_xla(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
         tiles=max_query_len > 1, scale=q.shape[2] ** -0.5 if scale is None else scale,
         decode_group=min(decode_group, block_tables.shape[0]), decode_chunk_pages=decode_chunk_pages,
         prefill_tile=min(prefill_tile, q.shape[0]), prefill_chunk_pages=prefill_chunk_pages, layout=layout,
+        window=sliding_window,
     )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("tiles", "scale", "decode_group", "decode_chunk_pages", "prefill_tile",
-                     "prefill_chunk_pages", "layout"),
+                     "prefill_chunk_pages", "layout", "window"),
 )
 def _paged_attention_xla(
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, tiles, scale, decode_group,
-    decode_chunk_pages, prefill_tile, prefill_chunk_pages, layout,
+    decode_chunk_pages, prefill_tile, prefill_chunk_pages, layout, window,
 ):
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     out = _decode(
         jnp.zeros(q.shape, q.dtype), q, k_pages, v_pages, block_tables, jnp.where(q_lens == 1, seq_lens, 0),
         query_start_loc, scale=scale, group_rows=decode_group, chunk_pages=decode_chunk_pages, layout=layout,
+        window=window,
     )
     if tiles:  # prefill_tile was bounded by num_tokens in paged_attention_xla
         out = _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                        jnp.where(q_lens > 1, q_lens, 0), scale=scale, tile=prefill_tile,
-                       chunk_pages=prefill_chunk_pages, layout=layout)
+                       chunk_pages=prefill_chunk_pages, layout=layout, window=window)
     return out
 
 
 def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *, scale, group_rows,
-            chunk_pages, layout):
+            chunk_pages, layout, window):
     """Writes the attention of the rows with one new token into `out`.
 
     out, q: [num_tokens, num_heads, head_dim]; block_tables: int32 [rows, max_blocks];
     lengths: int32 [rows], the context length of each row with one new token (its last position's
-    query attends to all of it), 0 for the rows left to the tiles; query_start_loc: int32 [rows + 1].
+    query attends to all of it, or its last `window`), 0 for the rows left to the tiles;
+    query_start_loc: int32 [rows + 1].
     returns out with those rows' tokens set.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -147,13 +159,21 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
 
         def step(i, carry):
             pages = lax.dynamic_slice_in_dim(table, i * chunk_pages, chunk_pages, axis=1)
-            valid = i * chunk + jnp.arange(chunk) < lens[:, None]  # [rows, chunk]
+            pos = i * chunk + jnp.arange(chunk)
+            valid = pos < lens[:, None]  # [rows, chunk]
+            if window is not None:
+                valid &= pos >= lens[:, None] - window
             k, v = _chunk_kv(k_pages, v_pages, pages, valid, i * chunk < lens[0], layout)
             s = jnp.einsum("bhcd,bhgd->bhgc", k, qg)
             return _online_softmax_step(carry, s, valid[:, None, None], v, "bhgc,bhcd->bhgd")
 
         carry = _online_softmax_init((group_rows, kv_heads, group), head_dim)
-        carry = lax.fori_loop(0, cdiv(lens[0], chunk), step, carry)
+        end = cdiv(lens[0], chunk)
+        first = 0
+        if window is not None:  # the chunk of the group's earliest visible key; rows of length 0 see none
+            earliest = jnp.min(jnp.where(lens > 0, jnp.maximum(lens - window, 0), jnp.iinfo(jnp.int32).max))
+            first = jnp.minimum(earliest // chunk, end)
+        carry = lax.fori_loop(first, end, step, carry)
         return results.at[g].set(_online_softmax_result(carry))
 
     results = jnp.zeros((num_groups, group_rows, kv_heads, group, head_dim), jnp.float32)
@@ -163,7 +183,7 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
 
 
 def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, q_lens, *, scale, tile,
-             chunk_pages, layout):
+             chunk_pages, layout, window):
     """Writes the attention of the rows with several new tokens into `out`, a tile of `tile` at a time.
 
     out, q: [num_tokens, num_heads, head_dim] with num_tokens >= tile; block_tables: int32
@@ -194,16 +214,22 @@ def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
         qt = qt.reshape(tile, kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
         table = tables[row]
         kv_end = jnp.minimum(seq_len - q_len + offset + tile, seq_len)  # causal bound of the tile's last query
+        # The first key the tile's first token sees (the tokens before it, in a tile shifted back, are not its own).
+        kv_start = 0 if window is None else jnp.maximum(seq_len - q_len + offset - window + 1, 0)
 
         def step(i, carry):
             pages = lax.dynamic_slice_in_dim(table, i * chunk_pages, chunk_pages)
             kv_pos = i * chunk + jnp.arange(chunk)
-            k, v = _chunk_kv(k_pages, v_pages, pages, kv_pos < seq_len, i * chunk < kv_end, layout)
+            k, v = _chunk_kv(k_pages, v_pages, pages, (kv_pos < seq_len) & (kv_pos >= kv_start), i * chunk < kv_end,
+                             layout)
             s = jnp.einsum("hmd,hkd->hmk", qt, k)
-            return _online_softmax_step(carry, s, kv_pos <= q_pos[:, None], v, "hmk,hkd->hmd")
+            seen = kv_pos <= q_pos[:, None]
+            if window is not None:
+                seen &= kv_pos > q_pos[:, None] - window
+            return _online_softmax_step(carry, s, seen, v, "hmk,hkd->hmd")
 
         carry = _online_softmax_init((kv_heads, tile * group), head_dim)
-        carry = lax.fori_loop(0, cdiv(kv_end, chunk), step, carry)
+        carry = lax.fori_loop(kv_start // chunk, cdiv(kv_end, chunk), step, carry)
         result = _online_softmax_result(carry).reshape(kv_heads, tile, group, head_dim)
         result = result.transpose(1, 0, 2, 3).reshape(tile, num_heads, head_dim).astype(out.dtype)
         old = lax.dynamic_slice_in_dim(out, start, tile)

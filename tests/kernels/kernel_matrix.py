@@ -27,10 +27,20 @@ class Case:
     dtype: type = jnp.float32
     knobs: tuple[tuple[str, int], ...] = ()  # kernel tuning keywords
     layout: str = layout.TOKEN_MAJOR  # of the pages (layout.LAYOUTS)
+    sliding_window: int | None = None  # a query at position p sees keys at positions > p - sliding_window
 
     @property
     def max_query_len(self) -> int:
         return max(self.q_lens)
+
+
+def behind_window(case, i: int) -> int:
+    """Blocks of sequence i that lie wholly before the window of its first new token: the engine may
+    have freed them, so they are poisoned too. (Any case with q_lens, seq_lens, block_size and
+    sliding_window: the kernel tests' and the CPU tests' both.)"""
+    if case.sliding_window is None or case.q_lens[i] == 0:
+        return 0
+    return max(0, case.seq_lens[i] - case.q_lens[i] - case.sliding_window + 1) // case.block_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +63,7 @@ class Batch:
 
 def make_batch(case: Case, seed: int = 0, poison=np.nan) -> Batch:
     """Random K/V written through randomly permuted block tables into pages in the case's layout;
-    `poison` fills all other slots."""
+    `poison` fills all other slots, and the blocks behind each sequence's window."""
     rng = np.random.default_rng(seed)
     bs, kvh, dim = case.block_size, case.num_kv_heads, case.head_dim
     blocks_needed = [-(-n // bs) for n in case.seq_lens]
@@ -73,6 +83,8 @@ def make_batch(case: Case, seed: int = 0, poison=np.nan) -> Batch:
         v_pages[block_tables[i, pos // bs], pos % bs] = v
         k_dense.append(k)
         v_dense.append(v)
+        k_pages[block_tables[i, : behind_window(case, i)]] = poison
+        v_pages[block_tables[i, : behind_window(case, i)]] = poison
     query_start_loc = np.concatenate([[0], np.cumsum(case.q_lens)])
     num_tokens = int(query_start_loc[-1]) + TRAILING_PAD_TOKENS
     return Batch(
@@ -88,7 +100,8 @@ def make_batch(case: Case, seed: int = 0, poison=np.nan) -> Batch:
 
 
 def dense_attention(case: Case, batch: Batch) -> np.ndarray:
-    """float64 causal attention per sequence over its contiguous K/V: [num_tokens, num_heads, head_dim]."""
+    """float64 causal attention (within the case's window) per sequence over its contiguous K/V:
+    [num_tokens, num_heads, head_dim]."""
     q = np.asarray(batch.q.astype(jnp.float32), np.float64)
     group = case.num_heads // case.num_kv_heads
     out = np.zeros_like(q)
@@ -100,7 +113,10 @@ def dense_attention(case: Case, batch: Batch) -> np.ndarray:
         v = np.repeat(v.astype(np.float64), group, axis=1)
         qs = q[start : start + q_len]  # [q_len, heads, dim]
         scores = np.einsum("qhd,khd->hqk", qs, k) / np.sqrt(case.head_dim)
-        causal = np.arange(n)[None, :] <= (n - q_len + np.arange(q_len))[:, None]  # [q_len, n]
+        q_pos = (n - q_len + np.arange(q_len))[:, None]
+        causal = np.arange(n)[None, :] <= q_pos  # [q_len, n]
+        if case.sliding_window is not None:
+            causal &= np.arange(n)[None, :] > q_pos - case.sliding_window
         scores = np.where(causal, scores, -np.inf)
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
         out[start : start + q_len] = np.einsum("hqk,khd->qhd", p / p.sum(axis=-1, keepdims=True), v)
@@ -116,9 +132,10 @@ def rel_err(x, expected) -> float:
 def case_id(case: Case) -> str:
     kind = "decode" if case.max_query_len == 1 else "prefill"
     knobs = "".join(f"-{k}{v}" for k, v in case.knobs)
+    window = "" if case.sliding_window is None else f"-window{case.sliding_window}"
     return (
         f"{kind}-h{case.num_heads}kv{case.num_kv_heads}-d{case.head_dim}-bs{case.block_size}"
-        f"-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}"
+        f"-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}{window}"
     )
 
 
@@ -149,6 +166,19 @@ CASES = [
 # Head-major pages on a subset, chosen to vary what the layout touches: the page and slot of each K/V
 # row (decode over pages of 8; tiles of 16 inside pages of 32; tiles of 128 across 16 pages of 8).
 CASES += [dataclasses.replace(CASES[i], layout=layout.HEAD_MAJOR) for i in (1, 10, 11)]
+# Gemma 3's shapes: head_dim 256, sliding windows (shorter than a page, and across several), over decode
+# rows, whole prompts, a chunk after a cached prefix, query blocks whose rows start their windows in
+# different K/V tiles; blocks wholly behind a window are poisoned.
+CASES += [
+    Case(**DECODE, num_heads=8, num_kv_heads=4, head_dim=256, block_size=16),
+    Case(**DECODE, num_heads=8, num_kv_heads=4, head_dim=256, block_size=16, sliding_window=20),
+    Case(**DECODE, num_heads=9, num_kv_heads=3, head_dim=64, block_size=8, sliding_window=5, dtype=jnp.bfloat16),
+    Case(**PREFILL, num_heads=4, num_kv_heads=1, head_dim=256, block_size=16, sliding_window=7),
+    Case(**PREFILL, num_heads=9, num_kv_heads=3, head_dim=64, block_size=8, sliding_window=16,
+         knobs=(("block_q", 8), ("block_k", 16))),
+    Case(**PREFILL, num_heads=8, num_kv_heads=2, head_dim=128, block_size=32, sliding_window=12,
+         dtype=jnp.bfloat16, layout=layout.HEAD_MAJOR),
+]
 
 
 def check_kernel(case: Case, *, interpret: bool, seed: int = 0) -> tuple[float, list[str]]:
@@ -158,8 +188,9 @@ def check_kernel(case: Case, *, interpret: bool, seed: int = 0) -> tuple[float, 
     batch = make_batch(case, seed)
     dense = dense_attention(case, batch)
     out = paged_attention(*batch.args, max_query_len=case.max_query_len, interpret=interpret, layout=case.layout,
-                          **dict(case.knobs))
-    ref = paged_attention_reference(*batch.args, max_query_len=case.max_query_len, layout=case.layout)
+                          sliding_window=case.sliding_window, **dict(case.knobs))
+    ref = paged_attention_reference(*batch.args, max_query_len=case.max_query_len, layout=case.layout,
+                                    sliding_window=case.sliding_window)
     tol = TOLERANCE[case.dtype]
     err = rel_err(out, dense)
     checks = {

@@ -13,6 +13,7 @@ from kernels_pallas import layout
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.cpu.xla import paged_attention_xla
+from kernel_matrix import behind_window
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 TRAILING_PAD_TOKENS = 3  # flat-batch tokens of no sequence, as a bucketed step has
@@ -29,6 +30,7 @@ class Case:
     dtype: type = jnp.float32
     knobs: tuple[tuple[str, int], ...] = ()  # tuning keywords of paged_attention_xla
     layout: str = layout.TOKEN_MAJOR  # of the pages (layout.LAYOUTS)
+    sliding_window: int | None = None  # a query at position p sees keys at positions > p - sliding_window
 
     @property
     def max_query_len(self) -> int:
@@ -36,8 +38,9 @@ class Case:
 
 
 def make_inputs(case: Case, seed: int = 0):
-    """(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc) with NaN in every unwritten slot,
-    pages in the case's layout.
+    """(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc) with NaN in every unwritten slot
+    and in every block wholly behind a sequence's window (kernel_matrix.behind_window), pages in the
+    case's layout.
 
     The block tables are twice as wide as a power-of-two bucket of the longest sequence; entries past
     a sequence's blocks point at random pages (other sequences' or all-NaN ones).
@@ -56,6 +59,8 @@ def make_inputs(case: Case, seed: int = 0):
         pos = np.arange(n)
         k_pages[block_tables[i, pos // bs], pos % bs] = rng.standard_normal((n, kvh, dim))
         v_pages[block_tables[i, pos // bs], pos % bs] = rng.standard_normal((n, kvh, dim))
+        k_pages[block_tables[i, : behind_window(case, i)]] = np.nan
+        v_pages[block_tables[i, : behind_window(case, i)]] = np.nan
     query_start_loc = np.concatenate([[0], np.cumsum(case.q_lens)])
     num_tokens = int(query_start_loc[-1]) + TRAILING_PAD_TOKENS
     return (
@@ -76,9 +81,10 @@ def rel_err(x, expected) -> float:
 
 def case_id(case: Case) -> str:
     knobs = "".join(f"-{k}{v}" for k, v in case.knobs)
+    window = "" if case.sliding_window is None else f"-window{case.sliding_window}"
     return (
         f"q{max(case.q_lens)}-h{case.num_heads}kv{case.num_kv_heads}-d{case.head_dim}"
-        f"-bs{case.block_size}-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}"
+        f"-bs{case.block_size}-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}{window}"
     )
 
 
@@ -116,14 +122,28 @@ CASES = [
 # Head-major pages on a subset: decode chunks of three pages of 8, a bfloat16 mix of decode rows and
 # tiles, tiles of 16 over chunks of three pages (test_cpu/kernel.py runs the float32 ones too).
 CASES += [dataclasses.replace(CASES[i], layout=layout.HEAD_MAJOR) for i in (4, 6, 9)]
+# Sliding windows (Mistral's, Gemma's sliding layers): of one key, inside a page, across chunks and tiles;
+# decode groups whose rows start their windows in different chunks; head_dim 256 (Gemma 3).
+CASES += [
+    Case(**DECODE, sliding_window=20, knobs=(("decode_group", 4), ("decode_chunk_pages", 1))),
+    Case(**DECODE, num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=1),
+    Case(**MIXED, sliding_window=16),
+    Case(**MIXED, block_size=8, sliding_window=9, knobs=(("prefill_tile", 16), ("prefill_chunk_pages", 1))),
+    Case(**RAGGED, num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=7),
+    Case(**RAGGED, num_heads=8, num_kv_heads=2, head_dim=256, block_size=8, dtype=jnp.bfloat16, sliding_window=12,
+         layout=layout.HEAD_MAJOR),
+    Case(q_lens=(1, 1, 64, 1), seq_lens=(300, 5, 200, 129), head_dim=256, block_size=32, sliding_window=100),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case):
     inputs = make_inputs(case)
     assert jnp.isnan(inputs[1]).any() and jnp.isnan(inputs[2]).any(), "unwritten slots must be poisoned"
-    out = paged_attention_xla(*inputs, max_query_len=case.max_query_len, layout=case.layout, **dict(case.knobs))
-    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=case.layout)
+    out = paged_attention_xla(*inputs, max_query_len=case.max_query_len, layout=case.layout,
+                              sliding_window=case.sliding_window, **dict(case.knobs))
+    ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=case.layout,
+                                    sliding_window=case.sliding_window)
 
     assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
     assert not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
