@@ -1,8 +1,11 @@
-"""Llama-family models for the engine: config, flax.nnx model with its jittable step, weight loading;
-registry.py names the architectures."""
+"""The models the engine runs (the Llama family, Qwen3, Gemma 3): config, flax.nnx models over shared
+layers with their jittable step, weight loading; registry.py names the architectures."""
 
 from models.config import Llama3RopeScaling, ModelConfig
-from models.llama import TP_AXIS, LlamaForCausalLM
+from models.decoder import DecoderLM
+from models.gemma3 import Gemma3ForCausalLM
+from models.llama import LlamaForCausalLM
+from models.sharding import TP_AXIS
 from models.loader import DEFAULT_MODEL, MODELS, LoadedModel, load_model, load_tokenizer
 from models.registry import ARCHITECTURES, Architecture, architecture
 
@@ -10,6 +13,8 @@ __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "DEFAULT_MODEL",
+    "DecoderLM",
+    "Gemma3ForCausalLM",
     "MODELS",
     "Llama3RopeScaling",
     "LlamaForCausalLM",

@@ -1,4 +1,5 @@
-"""What a Llama-family checkpoint says about its shape, read from config.json or GGUF metadata."""
+"""What a checkpoint says about its model's shape, read from config.json or GGUF metadata: one config for
+every family, whose fields a family leaves at their defaults where it lacks the feature."""
 
 import dataclasses
 from collections.abc import Collection, Mapping
@@ -6,11 +7,16 @@ from typing import Any
 
 
 
-def _refuse_architecture(name: str, source: str) -> None:
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
+
+
+def _traits(name: str, source: str) -> dict[str, Any]:
+    """The fields the architecture `name` fixes (registry.Architecture.traits); ValueError naming
+    `source` if it is not supported."""
     # Imported here: the registry imports the model classes, which import this module.
     from models.registry import architecture
 
-    architecture(name, source)
+    return dict(architecture(name, source).traits)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,7 +42,8 @@ class Llama3RopeScaling:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A decoder of the Llama family: GQA attention with rotary embeddings, RMSNorm, SwiGLU MLP."""
+    """A decoder: GQA attention with rotary embeddings, RMSNorm, a gated MLP; the fields after
+    eos_token_ids are the features of families past Llama."""
 
     architecture: str  # a name in registry.ARCHITECTURES
     vocab_size: int
@@ -52,13 +59,21 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on its q/k/v projections
     rope_scaling: Llama3RopeScaling | None = None
-    # Mistral's window. The attention is full, which is exact while contexts stay within the window:
-    # the engine keeps them under max_model_len.
+    # Keys a sliding layer's query at position p sees: positions > p - sliding_window (Mistral: every
+    # layer; Gemma: the layers layer_types calls sliding).
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False  # RMSNorm over each q and k head before the rotation (Qwen3, Gemma 3)
+    # Per layer SLIDING or FULL; empty: every layer slides where sliding_window is set (Mistral).
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
+    rope_local_theta: float | None = None  # sliding layers' own rotary base, unscaled (Gemma 3's 10,000)
+    rope_linear_factor: float = 1.0  # rope_type "linear": positions divided by it (Gemma 3 4B and up)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (Gemma)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2, 3)
 
     def __post_init__(self):
-        _refuse_architecture(self.architecture, "ModelConfig")
+        _traits(self.architecture, "ModelConfig")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -71,6 +86,27 @@ class ModelConfig:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+        if self.layer_types and (len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, FULL}):
+            raise ValueError(f"layer_types must name {SLIDING!r} or {FULL!r} for each of the {self.num_layers} "
+                             f"layers, got {self.layer_types}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
+        if self.rope_linear_factor < 1.0 or (self.rope_linear_factor != 1.0 and self.rope_scaling is not None):
+            raise ValueError("rope_linear_factor must be >= 1, and cannot be combined with llama3 rope scaling")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive or None, got {getattr(self, name)}")
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, or None where it attends to the whole context."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] == FULL):
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of the attention scores."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def group_size(self) -> int:
@@ -80,22 +116,40 @@ class ModelConfig:
     @property
     def max_model_len(self) -> int:
         """Longest context this implementation computes exactly."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], *, source: str = "config.json") -> "ModelConfig":
-        """From a Hugging Face config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+        """From a Hugging Face config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`,
+        either flat or, as Gemma 3's, one per layer type)."""
         architecture = hf.get("model_type", "<no model_type>")
-        _refuse_architecture(architecture, source)
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; only silu (SwiGLU)")
-        for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        fields = _traits(architecture, source)
+        if "text_config" in hf:
+            raise ValueError(f"{source}: a multimodal {architecture} config; only the text model's (e.g. "
+                             "Gemma3ForCausalLM's model_type gemma3_text) is supported")
+        for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"{source}: {flag}=true is not supported")
+        if hf.get("attn_logit_softcapping") is not None:
+            raise ValueError(f"{source}: attention logit soft-capping (attn_logit_softcapping) is not supported")
+        layer_types = hf.get("layer_types")
+        if layer_types is None and hf.get("sliding_window_pattern"):  # Gemma 3 configs of transformers 4.x
+            pattern = hf["sliding_window_pattern"]
+            layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(hf["num_hidden_layers"])]
+        if hf.get("use_sliding_window") and layer_types is None:
+            raise ValueError(f"{source}: use_sliding_window=true without layer_types is not supported")
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        local = {}
+        if FULL in rope:  # one set of parameters per layer type
+            rope, local = dict(rope[FULL]), dict(rope.get(SLIDING) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"{source}: unsupported rope_type {rope_type!r}; supported: default, llama3")
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"{source}: unsupported rope_type {rope_type!r}; supported: default, llama3, linear")
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{source}: unsupported sliding layers' rope_type {local['rope_type']!r}; only default")
+        local_theta = local.get("rope_theta", hf.get("rope_local_base_freq"))
+        if local_theta is not None:
+            fields["rope_local_theta"] = local_theta
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         return cls(
@@ -111,7 +165,6 @@ class ModelConfig:
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             max_position_embeddings=hf["max_position_embeddings"],
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=architecture == "qwen2",
             rope_scaling=Llama3RopeScaling(
                 factor=rope["factor"],
                 low_freq_factor=rope["low_freq_factor"],
@@ -120,8 +173,16 @@ class ModelConfig:
             )
             if rope_type == "llama3"
             else None,
-            sliding_window=hf.get("sliding_window") if architecture == "mistral" else None,
+            rope_linear_factor=rope["factor"] if rope_type == "linear" else 1.0,
+            # Qwen2 configs of transformers 4.x carry a window with use_sliding_window=false: unused.
+            sliding_window=None if hf.get("use_sliding_window") is False else hf.get("sliding_window"),
+            layer_types=tuple(layer_types or ()),
+            # Gemma names it hidden_activation (and keeps a stale hidden_act beside it in Gemma 2).
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            **fields,
         )
 
     @classmethod
@@ -138,7 +199,7 @@ class ModelConfig:
             return default
 
         arch = get("general.architecture")
-        _refuse_architecture(arch, source)
+        fields = _traits(arch, source)
         scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
         if scaling != "none":
             raise ValueError(f"{source}: unsupported rope scaling {scaling!r} in GGUF metadata")
@@ -160,6 +221,6 @@ class ModelConfig:
             rope_theta=get(f"{arch}.rope.freq_base", 10000.0),
             max_position_embeddings=get(f"{arch}.context_length"),
             tie_word_embeddings="output.weight" not in tensor_names,
-            qkv_bias=arch == "qwen2",
             eos_token_ids=() if eos is None else (eos,),
+            **fields,
         )

@@ -72,7 +72,7 @@ def load(folder: Path, dtype, *, on_device: bool = True) -> tuple[ModelConfig, P
     rope_scaling = fields.pop("rope_scaling")
     config = ModelConfig(**fields | dict(
         rope_scaling=None if rope_scaling is None else Llama3RopeScaling(**rope_scaling),
-        eos_token_ids=tuple(fields["eos_token_ids"])))
+        eos_token_ids=tuple(fields["eos_token_ids"]), layer_types=tuple(fields.get("layer_types", ()))))
     # np.save keeps bfloat16 as raw 2-byte values: the view gives them back their type.
     place = _on_device if on_device else lambda array: array
     params = {_state_path(file): place(np.load(file, mmap_mode="c").view(dtype))

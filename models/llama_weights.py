@@ -1,4 +1,5 @@
-"""Where each tensor of a Llama-family Hugging Face checkpoint lands in LlamaForCausalLM's state.
+"""Where each tensor of a Llama-family Hugging Face checkpoint lands in LlamaForCausalLM's state, and the
+placing helpers other families' tables reuse (gemma3_weights.py).
 
 One rule per Hugging Face tensor name: the state path of the (fused) parameter it fills, the shape the
 config implies for it, and how its array is placed there (transposed, into its q/k/v or gate/up slots).
@@ -27,11 +28,11 @@ class WeightRule:
     needed: Callable[[ModelConfig], bool] = lambda c: True
 
 
-def _whole(a: np.ndarray, c: ModelConfig):
+def whole(a: np.ndarray, c: ModelConfig):
     return ..., a
 
 
-def _transposed(a: np.ndarray, c: ModelConfig):
+def transposed(a: np.ndarray, c: ModelConfig):
     """torch Linear's [out, in] -> our [in, out]."""
     return ..., a.T
 
@@ -40,7 +41,7 @@ def _heads(c: ModelConfig, part: str) -> int:
     return c.num_heads if part == "q" else c.num_kv_heads
 
 
-def _qkv(part: str) -> Place:
+def qkv(part: str) -> Place:
     """q, k or v ([out, in] weight or [out] bias) into its slots of [..., num_kv_heads, group + 2, head_dim]."""
 
     def place(a: np.ndarray, c: ModelConfig):
@@ -52,41 +53,58 @@ def _qkv(part: str) -> Place:
     return place
 
 
-def _gate_up(slot: int) -> Place:
+def gate_up(slot: int) -> Place:
     """gate (0) or up (1), [intermediate, hidden], into [hidden, 2, intermediate]."""
     return lambda a, c: (np.s_[:, slot], a.T)
 
 
-def _hidden(c: ModelConfig) -> tuple[int, ...]:
+def hidden(c: ModelConfig) -> tuple[int, ...]:
     return (c.hidden_size,)
 
 
-_LAYER = "model.layers.{i}."
-RULES = (
-    WeightRule("model.embed_tokens.weight", "embed", lambda c: (c.vocab_size, c.hidden_size), _whole),
-    WeightRule("lm_head.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), _transposed,
+def head_dim(c: ModelConfig) -> tuple[int, ...]:
+    return (c.head_dim,)
+
+
+LAYER = "model.layers.{i}."
+# The rules every family's attention and MLP share: q/k/v (and their biases), the q/k norms, o, gate/up/down.
+ATTENTION_MLP = (
+    *(
+        WeightRule(LAYER + f"self_attn.{p}_proj.weight", "layers.{i}.attn.qkv",
+              lambda c, p=p: (_heads(c, p) * c.head_dim, c.hidden_size), qkv(p))
+        for p in "qkv"
+    ),
+    *(
+        WeightRule(LAYER + f"self_attn.{p}_proj.bias", "layers.{i}.attn.qkv_bias",
+              lambda c, p=p: (_heads(c, p) * c.head_dim,), qkv(p), needed=lambda c: c.qkv_bias)
+        for p in "qkv"
+    ),
+    *(
+        WeightRule(LAYER + f"self_attn.{p}_norm.weight", f"layers.{{i}}.attn.{p}_norm.weight", head_dim, whole,
+                   needed=lambda c: c.qk_norm)
+        for p in "qk"
+    ),
+    WeightRule(LAYER + "self_attn.o_proj.weight", "layers.{i}.attn.o",
+          lambda c: (c.hidden_size, c.num_heads * c.head_dim), transposed),
+    WeightRule(LAYER + "mlp.gate_proj.weight", "layers.{i}.mlp.gate_up",
+          lambda c: (c.intermediate_size, c.hidden_size), gate_up(0)),
+    WeightRule(LAYER + "mlp.up_proj.weight", "layers.{i}.mlp.gate_up",
+          lambda c: (c.intermediate_size, c.hidden_size), gate_up(1)),
+    WeightRule(LAYER + "mlp.down_proj.weight", "layers.{i}.mlp.down",
+          lambda c: (c.hidden_size, c.intermediate_size), transposed),
+)
+# The embedding, the lm_head where it is not tied, the final norm.
+EMBED_HEAD = (
+    WeightRule("model.embed_tokens.weight", "embed", lambda c: (c.vocab_size, c.hidden_size), whole),
+    WeightRule("lm_head.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), transposed,
           needed=lambda c: not c.tie_word_embeddings),
-    WeightRule("model.norm.weight", "norm.weight", _hidden, _whole),
-    WeightRule(_LAYER + "input_layernorm.weight", "layers.{i}.input_norm.weight", _hidden, _whole),
-    WeightRule(_LAYER + "post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight", _hidden, _whole),
-    *(
-        WeightRule(_LAYER + f"self_attn.{p}_proj.weight", "layers.{i}.attn.qkv",
-              lambda c, p=p: (_heads(c, p) * c.head_dim, c.hidden_size), _qkv(p))
-        for p in "qkv"
-    ),
-    *(
-        WeightRule(_LAYER + f"self_attn.{p}_proj.bias", "layers.{i}.attn.qkv_bias",
-              lambda c, p=p: (_heads(c, p) * c.head_dim,), _qkv(p), needed=lambda c: c.qkv_bias)
-        for p in "qkv"
-    ),
-    WeightRule(_LAYER + "self_attn.o_proj.weight", "layers.{i}.attn.o",
-          lambda c: (c.hidden_size, c.num_heads * c.head_dim), _transposed),
-    WeightRule(_LAYER + "mlp.gate_proj.weight", "layers.{i}.mlp.gate_up",
-          lambda c: (c.intermediate_size, c.hidden_size), _gate_up(0)),
-    WeightRule(_LAYER + "mlp.up_proj.weight", "layers.{i}.mlp.gate_up",
-          lambda c: (c.intermediate_size, c.hidden_size), _gate_up(1)),
-    WeightRule(_LAYER + "mlp.down_proj.weight", "layers.{i}.mlp.down",
-          lambda c: (c.hidden_size, c.intermediate_size), _transposed),
+    WeightRule("model.norm.weight", "norm.weight", hidden, whole),
+)
+RULES = (
+    *EMBED_HEAD,
+    WeightRule(LAYER + "input_layernorm.weight", "layers.{i}.input_norm.weight", hidden, whole),
+    WeightRule(LAYER + "post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight", hidden, whole),
+    *ATTENTION_MLP,
 )
 
 

@@ -1,18 +1,22 @@
 """The architectures the engine runs: each name (config.json's model_type, GGUF's general.architecture)
-maps to its model class and its weight-name table, here and nowhere else.
+maps to its model class, its weight-name table and the config fields it fixes, here and nowhere else.
 
-A model class is built as `cls(config, dtype=..., rngs=...)` and is what the engine calls: its
-`__call__` is LlamaForCausalLM.__call__'s (a flat ragged batch over the paged KV cache), its `config` is
-the ModelConfig it was built from, and `pack_for_cpu()` gives the copy the C++ CPU matmul runs.
+A model class is built as `cls(config, dtype=..., rngs=...)` and is what the engine calls: a
+decoder.DecoderLM, whose `__call__` takes a flat ragged batch over the paged KV cache, whose `config`
+is the ModelConfig it was built from, and whose `pack_for_cpu()` gives the copy the C++ CPU matmul runs.
 Adding a Llama-like architecture is one entry below (with its config.json quirks in config.py, where
-it has any); the engine and the loader look everything else up here.
+it has any); a family with layers of its own is a module beside llama.py (gemma3.py). The engine and
+the loader look everything else up here.
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
 
-from models import llama_weights
+from models import gemma3_weights, llama_weights
 from models.config import ModelConfig
+from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
 
 
@@ -21,11 +25,26 @@ class Architecture:
     model_class: type
     weights: tuple[llama_weights.WeightRule, ...]  # where each Hugging Face tensor lands in the model's state
     ignored: Callable[[str, ModelConfig], bool]  # tensors a checkpoint may hold that the model does not use
+    # ModelConfig fields the architecture sets whatever its files say (a file's value of rope_local_theta
+    # wins over the default here).
+    traits: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
 
-_LLAMA = Architecture(LlamaForCausalLM, llama_weights.RULES, llama_weights.ignored)
+def _llama(**traits) -> Architecture:
+    return Architecture(LlamaForCausalLM, llama_weights.RULES, llama_weights.ignored, MappingProxyType(traits))
 
-ARCHITECTURES: dict[str, Architecture] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA}
+
+_GEMMA3 = Architecture(Gemma3ForCausalLM, gemma3_weights.RULES, llama_weights.ignored,
+                       MappingProxyType(dict(qk_norm=True, rope_local_theta=10000.0)))
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": _llama(),
+    "mistral": _llama(),
+    "qwen2": _llama(qkv_bias=True),  # biases on q/k/v
+    "qwen3": _llama(qk_norm=True),  # RMSNorm on each q and k head before the rotation
+    "gemma3_text": _GEMMA3,  # config.json's model_type for Gemma3ForCausalLM
+    "gemma3": _GEMMA3,  # GGUF's general.architecture for the same model
+}
 
 
 def architecture(name: str, source: str = "model") -> Architecture:

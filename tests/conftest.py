@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import pytest
 import torch
 import uvicorn
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from models import load_model
 from models.loader import load_tokenizer, resolve
@@ -35,6 +36,16 @@ TINY_ARCHS = {
     "mistral": (MistralForCausalLM, lambda: MistralConfig(**_TINY, head_dim=32, sliding_window=128)),
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_TINY)),  # biases on q/k/v
     "smollm2": (LlamaForCausalLM, lambda: LlamaConfig(**_TINY, tie_word_embeddings=True, rope_theta=100000.0)),
+    # q/k norms, and head_dim set apart from hidden_size // num_heads as every Qwen3 has it.
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**_TINY, head_dim=32)),
+    # Gemma 3's shape in small: head_dim 256, a window of 8 that the tests' prompts pass, sliding layers
+    # around a full one (each with its own rotary base), the attention scale and a logit cap of their own.
+    "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(
+        **_TINY | dict(num_hidden_layers=3), head_dim=256, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=64,
+        final_logit_softcapping=5.0, rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)))),
 }
 
 @pytest.fixture(autouse=True, scope="module")
@@ -60,7 +71,7 @@ def make_tiny_model(arch: str, **config_overrides) -> torch.nn.Module:
     transformers initializes norms to 1 and biases to 0; a loader that dropped them would pass.
     """
     model_class, config = TINY_ARCHS[arch]
-    torch.manual_seed(sorted(TINY_ARCHS).index(arch))
+    torch.manual_seed(list(TINY_ARCHS).index(arch))  # in the table's order: a new entry changes no one's weights
     config = config()
     config.update(config_overrides)
     model = model_class(config).eval()

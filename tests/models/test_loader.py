@@ -131,6 +131,31 @@ def test_unsupported_rope_type(folder):
         load_model(folder)
 
 
+def test_gemma3_config_of_transformers_4(tiny_checkpoint):
+    """Gemma 3's config.json before transformers 5: the layer pattern as a number, the rotary
+    parameters flat, the sliding layers' base apart."""
+    hf = json.loads((tiny_checkpoint("gemma3")[0] / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        del hf[key]
+    hf |= dict(sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=5e3,
+               rope_scaling=dict(rope_type="linear", factor=8.0))
+    config = ModelConfig.from_hf_config(hf)
+    assert config.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
+    assert (config.rope_theta, config.rope_linear_factor, config.rope_local_theta) == (1e6, 8.0, 5e3)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(attn_logit_softcapping=50.0), "attention logit soft-capping"),
+    (dict(text_config={}), "multimodal"),
+    (dict(hidden_activation="relu"), "unsupported hidden_act 'relu'"),
+])
+def test_unsupported_gemma_configs(tiny_checkpoint, tmp_path, change, message):
+    folder = shutil.copytree(tiny_checkpoint("gemma3")[0], tmp_path / "gemma3")
+    _edit_config(folder, **change)
+    with pytest.raises(ValueError, match=message):
+        load_model(folder)
+
+
 def _write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]):
     """A GGUF file with the tiny configs' metadata (no tokenizer) and the given raw tensors."""
     writer = gguf.GGUFWriter(path, arch=arch)
@@ -180,10 +205,19 @@ def test_config_read_from_config_json(tiny_checkpoint):
     def config(arch):
         return ModelConfig.from_hf_config(json.loads((tiny_checkpoint(arch)[0] / "config.json").read_text()))
 
-    llama3, mistral, qwen2, smollm2 = map(config, ("llama3", "mistral", "qwen2", "smollm2"))
+    llama3, mistral, qwen2, smollm2, qwen3, gemma3 = map(config, ("llama3", "mistral", "qwen2", "smollm2", "qwen3",
+                                                                  "gemma3"))
     assert llama3.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 64) and llama3.rope_theta == 500000.0
-    assert (mistral.head_dim, mistral.sliding_window, mistral.max_model_len) == (32, 128, 128)
+    # Mistral's window applies to every layer, so contexts past it are exact too.
+    assert (mistral.head_dim, mistral.sliding_window, mistral.max_model_len) == (32, 128, 256)
+    assert [mistral.window(i) for i in range(mistral.num_layers)] == [128, 128]
     assert qwen2.qkv_bias and not llama3.qkv_bias
+    assert qwen3.qk_norm and not qwen2.qk_norm and qwen3.head_dim == 32 and qwen3.window(0) is None
+    assert gemma3.architecture == "gemma3_text" and gemma3.qk_norm and gemma3.tie_word_embeddings
+    assert [gemma3.window(i) for i in range(3)] == [8, None, 8]
+    assert (gemma3.rope_theta, gemma3.rope_linear_factor, gemma3.rope_local_theta) == (1e6, 2.0, 1e4)
+    assert (gemma3.hidden_act, gemma3.head_dim, gemma3.query_pre_attn_scalar) == ("gelu_pytorch_tanh", 256, 64)
+    assert gemma3.attention_scale == 64**-0.5 and gemma3.final_logit_softcapping == 5.0
     assert smollm2.tie_word_embeddings and not llama3.tie_word_embeddings
     assert (smollm2.num_heads, smollm2.num_kv_heads, smollm2.group_size) == (4, 2, 2)
     assert llama3.eos_token_ids == (2,)
