@@ -19,6 +19,19 @@ def _traits(name: str, source: str) -> dict[str, Any]:
     return dict(architecture(name, source).traits)
 
 
+def _with_traits(architecture: str, source: str, stated: dict[str, Any]) -> dict[str, Any]:
+    """The fields a file states, over the architecture's traits: a trait is used where the file says
+    nothing (None) of that field, or has no such field at all (Qwen2's q/k/v biases)."""
+    traits = _traits(architecture, source)
+    return traits | {key: value for key, value in stated.items() if value is not None or key not in traits}
+
+
+# Sliding layers in a GGUF file: llama.cpp fixes the pattern in its code, not in the file (every sixth
+# layer full, for Gemma 3), unless the file has {arch}.attention.sliding_window_pattern (that period, or
+# a flag per layer, true where it slides).
+_GGUF_SLIDING_PATTERN = {"gemma3": 6}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Llama3RopeScaling:
     """Llama 3.1's rope_type "llama3": low frequencies slowed by `factor`, a smooth ramp in between."""
@@ -123,7 +136,7 @@ class ModelConfig:
         """From a Hugging Face config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`,
         either flat or, as Gemma 3's, one per layer type)."""
         architecture = hf.get("model_type", "<no model_type>")
-        fields = _traits(architecture, source)
+        _traits(architecture, source)
         if "text_config" in hf:
             raise ValueError(f"{source}: a multimodal {architecture} config; only the text model's (e.g. "
                              "Gemma3ForCausalLM's model_type gemma3_text) is supported")
@@ -147,12 +160,9 @@ class ModelConfig:
             raise ValueError(f"{source}: unsupported rope_type {rope_type!r}; supported: default, llama3, linear")
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"{source}: unsupported sliding layers' rope_type {local['rope_type']!r}; only default")
-        local_theta = local.get("rope_theta", hf.get("rope_local_base_freq"))
-        if local_theta is not None:
-            fields["rope_local_theta"] = local_theta
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
-        return cls(
+        return cls(**_with_traits(architecture, source, dict(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -179,11 +189,11 @@ class ModelConfig:
             layer_types=tuple(layer_types or ()),
             # Gemma names it hidden_activation (and keeps a stale hidden_act beside it in Gemma 2).
             hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            rope_local_theta=local.get("rope_theta", hf.get("rope_local_base_freq")),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-            **fields,
-        )
+        )))
 
     @classmethod
     def from_gguf_metadata(
@@ -199,21 +209,32 @@ class ModelConfig:
             return default
 
         arch = get("general.architecture")
-        fields = _traits(arch, source)
+        _traits(arch, source)
         scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-        if scaling != "none":
+        if scaling not in ("none", "linear"):
             raise ValueError(f"{source}: unsupported rope scaling {scaling!r} in GGUF metadata")
+        if metadata.get(f"{arch}.attn_logit_softcapping") is not None:
+            raise ValueError(f"{source}: attention logit soft-capping (attn_logit_softcapping) is not supported")
         hidden, num_heads = get(f"{arch}.embedding_length"), get(f"{arch}.attention.head_count")
         head_dim = get(f"{arch}.attention.key_length", hidden // num_heads)
         if get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
             raise ValueError(f"{source}: partial rotary embeddings (rope.dimension_count != head_dim) are unsupported")
-        eos = metadata.get("tokenizer.ggml.eos_token_id")
-        return cls(
+        num_layers = get(f"{arch}.block_count")
+        pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GGUF_SLIDING_PATTERN.get(arch))
+        if isinstance(pattern, list):
+            layer_types = tuple(SLIDING if sliding else FULL for sliding in pattern)
+        else:
+            layer_types = () if pattern is None else tuple(SLIDING if (i + 1) % pattern else FULL
+                                                           for i in range(num_layers))
+        eos = [] if metadata.get("tokenizer.ggml.eos_token_id") is None else [metadata["tokenizer.ggml.eos_token_id"]]
+        if arch == "gemma3" and "<end_of_turn>" in (tokens := metadata.get("tokenizer.ggml.tokens") or []):
+            eos.append(tokens.index("<end_of_turn>"))  # a chat turn's end, an end of generation to llama.cpp too
+        return cls(**_with_traits(arch, source, dict(
             architecture=arch,
             vocab_size=metadata.get(f"{arch}.vocab_size") or len(get("tokenizer.ggml.tokens")),
             hidden_size=hidden,
             intermediate_size=get(f"{arch}.feed_forward_length"),
-            num_layers=get(f"{arch}.block_count"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=get(f"{arch}.attention.head_count_kv", num_heads),
             head_dim=head_dim,
@@ -221,6 +242,13 @@ class ModelConfig:
             rope_theta=get(f"{arch}.rope.freq_base", 10000.0),
             max_position_embeddings=get(f"{arch}.context_length"),
             tie_word_embeddings="output.weight" not in tensor_names,
-            eos_token_ids=() if eos is None else (eos,),
-            **fields,
-        )
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            rope_linear_factor=get(f"{arch}.rope.scaling.factor") if scaling == "linear" else 1.0,
+            sliding_window=metadata.get(f"{arch}.attention.sliding_window"),
+            rope_local_theta=metadata.get(f"{arch}.rope.freq_base_swa"),
+            layer_types=layer_types,
+            # llama.cpp scales Gemma 3's scores by head_dim**-0.5, but the 27B's (62 layers) by
+            # (hidden / heads)**-0.5: its query_pre_attn_scalar, which the file does not hold.
+            query_pre_attn_scalar=(hidden // num_heads if num_layers == 62 else head_dim) if arch == "gemma3" else None,
+            final_logit_softcapping=metadata.get(f"{arch}.final_logit_softcapping"),
+        )))

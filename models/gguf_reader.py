@@ -24,7 +24,20 @@ _HF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Where an architecture names its norms otherwise: Gemma 3's ffn_norm is the MLP's input norm, and its
+# attention and MLP outputs have norms of their own.
+_ARCH_NAMES = {
+    "gemma3": _HF_NAMES | {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# Architectures whose norms are (1 + w): llama.cpp's converter stores 1 + w, Hugging Face's checkpoints w.
+_UNIT_OFFSET_NORMS = {"gemma3"}
 _NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 
 
@@ -33,14 +46,16 @@ def metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
-def hf_name(name: str) -> str:
-    """llama.cpp tensor name -> Hugging Face name; names without a counterpart come back unchanged."""
+def hf_name(name: str, architecture: str = "llama") -> str:
+    """llama.cpp tensor name -> Hugging Face name, for `architecture` (GGUF's general.architecture);
+    names without a counterpart come back unchanged."""
+    names = _ARCH_NAMES.get(architecture, _HF_NAMES)
     match = _NAME.fullmatch(name)
-    if match is None or match[2] not in _HF_NAMES:
+    if match is None or match[2] not in names:
         return name
     layer, part, kind = match.groups()
     prefix = "" if layer is None else f"model.layers.{layer}."
-    return f"{prefix}{_HF_NAMES[part]}.{kind}"
+    return f"{prefix}{names[part]}.{kind}"
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -59,7 +74,9 @@ def tensors(reader: gguf.GGUFReader, config: ModelConfig, path: Path) -> Iterato
                 f"{path}: tensor {tensor.name} has quantization type {tensor.tensor_type.name}, "
                 "which the gguf package cannot dequantize"
             ) from None
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, config.architecture)
+        if config.architecture in _UNIT_OFFSET_NORMS and name.endswith("norm.weight"):
+            array = array - 1.0
         # Only the "llama" architecture's q/k are permuted by llama.cpp (Qwen2 uses NeoX-style rope).
         # A tensor of the wrong shape passes through untouched for the loader to report.
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -25,8 +25,8 @@ class Architecture:
     model_class: type
     weights: tuple[llama_weights.WeightRule, ...]  # where each Hugging Face tensor lands in the model's state
     ignored: Callable[[str, ModelConfig], bool]  # tensors a checkpoint may hold that the model does not use
-    # ModelConfig fields the architecture sets whatever its files say (a file's value of rope_local_theta
-    # wins over the default here).
+    # ModelConfig fields the architecture sets where its files say nothing of them (Qwen2's q/k/v
+    # biases; Gemma 3's local rotary base and activation, which its GGUF files leave to llama.cpp's code).
     traits: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -35,7 +35,8 @@ def _llama(**traits) -> Architecture:
 
 
 _GEMMA3 = Architecture(Gemma3ForCausalLM, gemma3_weights.RULES, llama_weights.ignored,
-                       MappingProxyType(dict(qk_norm=True, rope_local_theta=10000.0)))
+                       MappingProxyType(dict(qk_norm=True, rope_local_theta=10000.0,
+                                                          hidden_act="gelu_pytorch_tanh")))
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": _llama(),

@@ -1,0 +1,126 @@
+"""Qwen3 and Gemma 3 from GGUF files written as llama.cpp's converter writes them (its tensor names and
+metadata keys; Gemma's norms stored as 1 + w; Gemma's matmul weights in Q8_0): the loaded config, and greedy
+tokens through the paged cache equal to transformers'. Gemma 3's file is also read by transformers'
+own GGUF loader, an independent reading of the same names and keys."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+from conftest import _TINY, hf_greedy
+from models import load_model
+from test_models import GREEDY_STEPS, make_forward, paged_greedy, random_prompts
+
+# Hugging Face name (after "model.layers.N." or alone) -> llama.cpp's, per architecture.
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+}
+_NAMES = {
+    "qwen3": _LAYER_NAMES | {"post_attention_layernorm": "ffn_norm"},
+    "gemma3": _LAYER_NAMES | {"post_attention_layernorm": "post_attention_norm",
+                              "pre_feedforward_layernorm": "ffn_norm",
+                              "post_feedforward_layernorm": "post_ffw_norm"},
+}
+_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(name: str, arch: str) -> str:
+    stem, kind = name.rsplit(".", 1)
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    _, _, layer, part = stem.split(".", 3)
+    return f"blk.{layer}.{_NAMES[arch][part]}.{kind}"
+
+
+def write_gguf(path, hf_model, arch: str, *, q8_0: bool):
+    """`hf_model` as llama.cpp's convert_hf_to_gguf.py writes it, without a tokenizer; q8_0: its matmul
+    weights and embedding in Q8_0, else everything in float32."""
+    c = hf_model.config
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+    if arch == "gemma3":
+        writer.add_sliding_window(c.sliding_window)
+    tied = c.tie_word_embeddings
+    for name, tensor in hf_model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        data = tensor.numpy().astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0
+        if q8_0 and data.ndim == 2 and data.shape[1] % 32 == 0:
+            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name(name, arch), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory):
+    """A tiny Gemma 3 as its GGUF files can describe it (llama.cpp's fixed pattern of five sliding layers
+    to one full, local base 10,000, the scale head_dim**-0.5, no logit cap), its file, and transformers'
+    reading of that file."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(**_TINY | dict(num_hidden_layers=6), head_dim=256, sliding_window=8)
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"] and config.query_pre_attn_scalar == 256
+    hf_model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():  # as conftest.make_tiny_model draws them
+        for name, param in hf_model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.15)
+    path = write_gguf(tmp_path_factory.mktemp("gemma3-gguf") / "tiny-gemma3.gguf", hf_model, "gemma3", q8_0=True)
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    return path, theirs
+
+
+def _greedy(loaded, prompts):
+    graphdef, state = nnx.split(loaded.model)
+    return paged_greedy(make_forward(graphdef), state, loaded.config, prompts, block_size=4, chunk_size=5)
+
+
+def test_gemma3_gguf_matches_transformers_reading_it(gemma3_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGED_JAX_CACHE_DIR", str(tmp_path))  # the conversion is saved there, not in ~/.cache
+    path, theirs = gemma3_gguf
+    loaded = load_model(path)
+    c = loaded.config
+    assert (c.architecture, c.head_dim, c.sliding_window, c.hidden_act) == ("gemma3", 256, 8, "gelu_pytorch_tanh")
+    assert [c.window(i) for i in range(6)] == [8] * 5 + [None]
+    assert (c.rope_theta, c.rope_local_theta, c.attention_scale, c.qk_norm) == (1e6, 1e4, 256**-0.5, True)
+    assert c.tie_word_embeddings and c.final_logit_softcapping is None
+    prompts = random_prompts(c, (9, 23, 14))
+    assert _greedy(loaded, prompts) == [hf_greedy(theirs, p, GREEDY_STEPS) for p in prompts]
+    # Loaded again from the converted copy in the cache: the same config, the same tokens.
+    again = load_model(path)
+    assert again.config == c and _greedy(again, prompts[:1]) == _greedy(loaded, prompts[:1])
+
+
+def test_qwen3_gguf_matches_its_checkpoint(tiny_checkpoint, tmp_path, monkeypatch):
+    """transformers reads no head_dim from a Qwen3 GGUF, so the checkpoint the file was written from is
+    the reference here, and the file holds its weights exactly (float32)."""
+    monkeypatch.setenv("PAGED_JAX_CACHE_DIR", str(tmp_path))
+    _, hf_model = tiny_checkpoint("qwen3")
+    loaded = load_model(write_gguf(tmp_path / "tiny-qwen3.gguf", hf_model, "qwen3", q8_0=False))
+    c = loaded.config
+    assert (c.architecture, c.head_dim, c.qk_norm, c.window(0)) == ("qwen3", 32, True, None)
+    prompts = random_prompts(c, (9, 23, 14))
+    assert _greedy(loaded, prompts) == [hf_greedy(hf_model, p, GREEDY_STEPS) for p in prompts]
