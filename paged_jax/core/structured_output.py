@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 import llguidance
 import llguidance.hf
@@ -28,9 +29,7 @@ import numpy as np
 
 from paged_jax.core import grammars
 from paged_jax.core.sampling import all_allowed
-from paged_jax.core.sampling_params import StructuredOutputsParams
-from paged_jax.core.scheduler import Scheduler
-from paged_jax.core.sequence import Sequence as Seq
+from paged_jax.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +118,34 @@ def allowed_tokens(guides: Sequence[Guide | None], rows: int, vocab_size: int) -
     return mask
 
 
+# The gate names what it uses of a sequence and of the scheduler rather than import sequence.py and
+# scheduler.py: a sequence holds a Guide from here, so those imports would close a circle.
+class Seq(Protocol):
+    """What the gate reads and sets of a sequence (sequence.Sequence is one)."""
+
+    request_id: str
+    params: SamplingParams
+    guide: Guide | None
+
+    @property
+    def is_finished(self) -> bool: ...
+
+
+class Queue(Protocol):
+    """What the gate asks of the scheduler (scheduler.Scheduler is one)."""
+
+    def add(self, seq: Seq) -> None: ...
+
+    def finish(self, seq: Seq) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
 class GrammarGate:
     """Where a new sequence enters the scheduler: at once without a constraint; with one, once its
     grammar has compiled (meanwhile it waits here, and the engine loop goes on with the others)."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, model_config):
+    def __init__(self, scheduler: Queue, tokenizer, model_config):
         """tokenizer, model_config: the model's (GrammarCompiler); without a tokenizer there is no
         compiler, and validation refuses constraints."""
         self.scheduler = scheduler
