@@ -135,11 +135,13 @@ def transformers_generate(hf_model, prompts: list[list[int]], max_new_tokens: in
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     longest = max(map(len, prompts)) + max_new_tokens
-    sizes = dict(page_size=page_size, num_blocks=len(prompts) * (-(-longest // page_size) + 1),
-                 max_batch_tokens=max_batch_tokens)
-    # Only the sizes this version of transformers takes (the GPU image's is older than ours): without one
-    # it sizes that one from the memory it finds free.
+    # Only the sizes this version of transformers takes (the GPU image's is older than ours), and a
+    # block count only where blocks are page_size tokens: without one it sizes its cache from the memory
+    # it finds free.
     known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    sizes = dict(max_batch_tokens=max_batch_tokens)
+    if "page_size" in known:
+        sizes |= dict(page_size=page_size, num_blocks=len(prompts) * (-(-longest // page_size) + 1))
     batching = ContinuousBatchingConfig(**{k: v for k, v in sizes.items() if k in known})
     generation = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
                                                pad_token_id=0)
@@ -158,7 +160,9 @@ def transformers_generate(hf_model, prompts: list[list[int]], max_new_tokens: in
     failed = [r.error for r in results.values() if r.error]
     if failed:
         raise RuntimeError(f"transformers failed {len(failed)} requests: {failed[0]}")
-    return elapsed, [list(r.generated_tokens) for r in results.values()], hf_model.config._attn_implementation
+    # In the prompts' order, found by prompt: not every version returns them in the order given.
+    by_prompt = {tuple(r.prompt_ids): list(r.generated_tokens) for r in results.values()}
+    return elapsed, [by_prompt.get(tuple(p), []) for p in prompts], hf_model.config._attn_implementation
 
 
 def scheduled_batch(num_seqs: int, context: int, new: int, *, vocab: int, block_size: int) -> list[ScheduledSeq]:
