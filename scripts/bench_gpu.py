@@ -6,14 +6,8 @@
     python scripts/bench_gpu.py --platform cpu --quick   # the CPU, tiny models: checks this script, not a GPU
 
 Each part prints `[PASS|FAIL|SKIP] name: figures` and its time; an exception fails its part only.
-Parts, in the order they run:
-- w1: W1 in bfloat16 (bench_throughput.py's workload, engine options and timed run) on --model, or
-  by default a SmolLM2-shaped model with random weights (its 98 MB GGUF is more than a call carries):
-  output tok/s, and a step's wall time beside its device time (the runner's device_seconds over its
-  steps).
-- sweep: the decode kernel's tile knobs (block_k, num_warps, num_stages, block_q) on one layer of
-  SmolLM2's bfloat16 decode batch (gpu_check.py's decode-bandwidth case), each setting's K/V read rate
-  as a share of a device copy's rate; PASS when every setting that compiles gives the default's output.
+Parts, in the order they run (the 8B model's first: if time runs short, the figures the issue is
+about are out):
 - llama8b: Llama-3.1-8B's shape (scripts/configs/llama-3.1-8b.json) with random bfloat16 weights drawn
   on the device. The engine's model call (model_runner.step on what runner.step_args gives: its
   weights, its KV cache, the step's host arrays), on a decode batch of 64 sequences at 1,024 tokens
@@ -22,6 +16,13 @@ Parts, in the order they run:
 - hf: the same weights through transformers' continuous batching (`generate_batch`) and through the
   engine (`LLM.generate`), the same greedy requests: output tok/s of each. SKIP where torch (a CUDA
   build, on a GPU) or generate_batch is missing.
+- w1: W1 in bfloat16 (bench_throughput.py's workload, engine options and timed run) on --model, or
+  by default a SmolLM2-shaped model with random weights (its 98 MB GGUF is more than a call carries):
+  output tok/s, and a step's wall time beside its device time (the runner's device_seconds over its
+  steps).
+- sweep: the decode kernel's tile knobs (block_k, num_warps, num_stages, block_q) on one layer of
+  SmolLM2's bfloat16 decode batch (gpu_check.py's decode-bandwidth case), each setting's K/V read rate
+  as a share of a device copy's rate; PASS when every setting that compiles gives the default's output.
 
 `--platform cpu` runs every part on the CPU with models of the same structure shrunk
 (bench_gpu_models.TINY) and the Pallas kernel interpreted in the sweep.
@@ -54,7 +55,7 @@ from paged_jax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from paged_jax.core import host_memory  # noqa: E402
 from paged_jax.research.machine_peaks import matmul_peak_gflops  # noqa: E402
 
-PARTS = ("w1", "sweep", "llama8b", "hf")
+PARTS = ("llama8b", "hf", "w1", "sweep")
 BLOCK_SIZE = 16
 # W1's KV cache: its peak (64 sequences of up to 768 tokens, 1.1 GB for SmolLM2) with room to spare.
 # The engine's default takes 90% of a GPU, which JAX's pool would keep from the parts after.
@@ -276,11 +277,15 @@ def main(argv=None) -> int:
         "llama8b": lambda: part_llama8b(built, sizes, tiny=tiny),
         "hf": lambda: part_hf(built, sizes),
     }
-    verdicts = []
+    verdicts, start = [], time.perf_counter()
+    chosen = [p for p in PARTS if p in args.parts]
     with jax.default_device(device):
-        for name in (p for p in PARTS if p in args.parts):
+        for i, name in enumerate(chosen):
             verdicts += record(name, parts[name])
-    print(f"{verdicts.count('PASS')} passed, {verdicts.count('FAIL')} failed, {verdicts.count('SKIP')} skipped")
+            if not {"llama8b", "hf"} & set(chosen[i + 1:]):
+                built.cache_clear()  # the 8B model's 16 GB and its KV cache, not needed after
+    print(f"{verdicts.count('PASS')} passed, {verdicts.count('FAIL')} failed, {verdicts.count('SKIP')} skipped "
+          f"in {time.perf_counter() - start:.0f} s")
     return 1 if "FAIL" in verdicts else 0
 
 
