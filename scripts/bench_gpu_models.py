@@ -55,9 +55,9 @@ def model_config(hf: dict) -> ModelConfig:
 
 
 def random_model(config: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0) -> nnx.Module:
-    """The model of `config` with the weights its initializers draw, made on JAX's default device
-    (models/tiny.py's random_model draws a second, wider set over them: twice the memory at its peak,
-    and logits that overflow bfloat16 over 32 layers of 4,096)."""
+    """The model of `config` with the weights its initializers draw, made on JAX's default device.
+    models/tiny.py's random_model draws a second set over these, normal(0.15), so that tests compare
+    tokens away from near-ties: twice the weights' memory at its peak (32 GB for Llama-3.1-8B)."""
     return architecture(config.architecture).model_class(config, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
@@ -79,6 +79,7 @@ def hf_tensors(model: nnx.Module) -> dict[str, jax.Array]:
     config = model.config
     params = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     tensors = {}
+    # The loader's own expansion of the table, per layer: the names and paths it would read and fill.
     for name, (rule, path) in loader._expected(config).items():
         where = []
 
