@@ -7,12 +7,19 @@ The engine classes load lazily, so `import paged_jax.core.block_pool` stays ligh
 """
 
 import importlib
+import logging
 
 from paged_jax import siblings
 
 # Before anything imports them: `models` and `kernels_pallas` are the project's, whatever folders or
 # files of those names lie where the user works (siblings.py).
 siblings.install()
+
+# The tokenizers come from transformers, whose first import advises "PyTorch was not found. Models won't
+# be available ..." on stderr: true, and irrelevant to an engine that runs its models in JAX, yet it reads
+# like a broken install. Only that message is dropped (transformers is imported later, when a tokenizer
+# loads); its other warnings still show.
+logging.getLogger("transformers").addFilter(lambda record: not record.getMessage().startswith("PyTorch was not"))
 
 _EXPORTS = {
     "LLM": "paged_jax.core.llm",
