@@ -2,15 +2,17 @@
 
 transformers can convert a GGUF's tokenizer too, but its GGUF integration imports torch, which is
 not a runtime dependency. The metadata holds everything a byte-level BPE tokenizer needs (llama.cpp's
-"gpt2" tokenizer model, used by SmolLM2, Llama 3 and Qwen2): the vocabulary, the merges, each
-token's type, the special token ids and the chat template. The pieces below are the ones
-transformers' conversion puts together, so the two encode and decode alike (tests/models/test_gguf_tokenizer.py).
+"gpt2" tokenizer model, used by SmolLM2, Llama 3, Qwen2 and Qwen3): the vocabulary, the merges, each
+token's type, the special token ids and the chat template. Gemma's files hold a sentencepiece
+vocabulary instead (tokenizer model "llama"), without merges: they are rebuilt from the vocabulary's
+order. The pieces below are the ones transformers' conversion puts together, so the two encode and
+decode alike (tests/models/test_gguf_tokenizer.py).
 """
 
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -72,6 +74,38 @@ def _backend(meta: Mapping[str, Any], source: str) -> Tokenizer:
     return tokenizer
 
 
+# Architectures whose "llama" (sentencepiece) vocabulary is Gemma's: BPE with byte fallback, spaces as ▁.
+_GEMMA_SENTENCEPIECE = ("gemma3",)
+
+
+def _gemma_backend(meta: Mapping[str, Any]) -> Tokenizer:
+    """Gemma's sentencepiece BPE, as transformers' GemmaTokenizer builds it from a GGUF file.
+
+    Two things the file leaves to the reader, as transformers' gemma_tokenizer does: a token of
+    whitespace with a space in it is stored with real spaces where the vocabulary means ▁, and the
+    merges are rebuilt from the vocabulary, best first in the file's order (Gemma's scores do not
+    follow its merge order)."""
+    # transformers' own merge reconstruction, which its GGUF conversion uses; this module does not
+    # import torch.
+    from transformers.tokenization_utils_base import generate_merges
+
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in meta["tokenizer.ggml.tokens"]]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = generate_merges(vocab, {token: -i for i, token in enumerate(tokens)})
+    unk = tokens[meta.get("tokenizer.ggml.unknown_token_id", 3)]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, dropout=None,
+                                     byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                  for t, kind in zip(meta["tokenizer.ggml.tokens"], types) if kind == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False)
+                          for t, kind in zip(meta["tokenizer.ggml.tokens"], types) if kind == _USER_DEFINED and t in vocab])
+    return tokenizer
+
+
 def _post_processor(bos: str | None, eos: str | None, meta: Mapping[str, Any], vocab: Mapping[str, int]):
     """BOS/EOS around each encoded text as the file's add_bos_token/add_eos_token flags say."""
     first = [bos] if bos is not None and meta.get("tokenizer.ggml.add_bos_token", False) else []
@@ -86,18 +120,23 @@ def from_metadata(meta: Mapping[str, Any], *, source: str):
     """A transformers fast tokenizer from GGUF metadata (gguf_reader.metadata), with the file's
     special tokens and chat template.
 
-    Raises ValueError, naming `source`, for a tokenizer model other than byte-level BPE ("gpt2").
+    Raises ValueError, naming `source`, for a tokenizer model other than byte-level BPE ("gpt2") and
+    Gemma's sentencepiece ("llama" in a gemma3 file).
     """
     # Imported here: transformers' tokenizer module takes a second to import, and only this needs it.
     from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind == "llama" and meta.get("general.architecture") in _GEMMA_SENTENCEPIECE:
+        backend = _gemma_backend(meta)
+    elif kind == "gpt2":
+        backend = _backend(meta, source)
+    else:
         raise ValueError(
             f"{source}: tokenizer model {kind!r} is not supported from GGUF metadata; only byte-level BPE "
-            "('gpt2': SmolLM2, Llama 3, Qwen2). Use the model's Hugging Face folder, whose tokenizer.json works."
+            "('gpt2': SmolLM2, Llama 3, Qwen2, Qwen3) and Gemma 3's sentencepiece. Use the model's Hugging Face "
+            "folder, whose tokenizer.json works."
         )
-    backend = _backend(meta, source)
     tokens = meta["tokenizer.ggml.tokens"]
     special = {name: tokens[meta[f"tokenizer.ggml.{key}"]] if f"tokenizer.ggml.{key}" in meta else None
                for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),

