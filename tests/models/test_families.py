@@ -1,23 +1,28 @@
-"""Qwen3 and Gemma 3 through the engine against transformers: greedy tokens of tiny random checkpoints
-(conftest.TINY_ARCHS) with chunked prefill and prefix caching on, on each CPU attention backend, and
-on the Pallas kernel in its interpreter for a small case. Gemma 3's window (8) is shorter than every
-prompt's shared prefix, so its sliding layers drop keys in prefill chunks, from cached blocks, and in
-decode."""
+"""Qwen3, Gemma 3 and Mistral past its window through the engine against transformers: greedy tokens
+of tiny random checkpoints (conftest.TINY_ARCHS) with chunked prefill and prefix caching on, on each
+CPU attention backend, and on the Pallas kernel in its interpreter for a small case. Gemma 3's window
+and this Mistral's (8) are shorter than the prompts' shared prefix, so sliding layers drop keys in
+prefill chunks, from cached blocks, and in decode."""
 
 import numpy as np
 import pytest
 
-from conftest import hf_greedy
+from conftest import hf_greedy, make_tiny_model
 from models import load_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 
 STEPS = 16
 
 
-@pytest.fixture(scope="module", params=("qwen3", "gemma3"))
-def family(request, tiny_checkpoint):
+@pytest.fixture(scope="module", params=("qwen3", "gemma3", "mistral-window8"))
+def family(request, tiny_checkpoint, tmp_path_factory):
     """(our loaded model, the transformers model) for one architecture."""
-    folder, hf_model = tiny_checkpoint(request.param)
+    if request.param == "mistral-window8":  # every layer slides
+        hf_model = make_tiny_model("mistral", sliding_window=8)
+        folder = tmp_path_factory.mktemp("mistral-window8")
+        hf_model.save_pretrained(folder)
+    else:
+        folder, hf_model = tiny_checkpoint(request.param)
     return load_model(folder), hf_model
 
 
