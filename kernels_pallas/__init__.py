@@ -11,12 +11,13 @@ checking the kernel, alone or inside the engine, on a machine without a GPU).
 # the module and `kernels_pallas.paged_attention(...)` would stop being callable.
 from kernels_pallas import paged_attention as _pallas_kernel
 from kernels_pallas.cpu import kernel as cpu_kernel
-from kernels_pallas.layout import (LAYOUTS, TOKEN_MAJOR, KVCache, bytes_per_block, gather_kv, init_kv_cache, page_shape,
-                                   write_kv)
+from kernels_pallas import layout as _layout
+from kernels_pallas.layout import LAYOUTS, TOKEN_MAJOR, KVCache, bytes_per_block, gather_kv, init_kv_cache, page_shape
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import paged_attention_reference
 from kernels_pallas.cpu.xla import paged_attention_xla
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -71,6 +72,20 @@ def allocate_pages(shape: tuple[int, ...], dtype) -> jax.Array:
     if jax.default_backend() == "cpu" and cpu_kernel.available():
         return cpu_kernel.unwritten(shape, dtype)
     return jnp.zeros(shape, dtype)
+
+
+def write_kv(
+    k_pages: jax.Array, v_pages: jax.Array, slot_mapping: jax.Array, k: jax.Array, v: jax.Array,
+    layout: str = TOKEN_MAJOR,
+) -> tuple[jax.Array, jax.Array]:
+    """layout.write_kv (the same arguments and result), but bfloat16 pages on the CPU are written by
+    the C++ kernel (kv_write.cc) in place: XLA's CPU scatter would convert the whole pool to float32
+    and back at every step."""
+    scatter = functools.partial(_layout.write_kv, slot_mapping=slot_mapping, k=k, v=v, layout=layout)
+    if k_pages.dtype == jnp.bfloat16 and cpu_kernel.available():
+        write = functools.partial(cpu_kernel.write_kv_cpu, slot_mapping=slot_mapping, k=k, v=v, layout=layout)
+        return jax.lax.platform_dependent(k_pages, v_pages, cpu=write, default=scatter)
+    return scatter(k_pages, v_pages)
 
 
 def paged_attention(

@@ -27,7 +27,6 @@ whose pages are [num_kv_heads, num_blocks, block_size, head_dim].
 """
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -126,7 +125,8 @@ def write_kv(
     k_pages: jax.Array, v_pages: jax.Array, slot_mapping: jax.Array, k: jax.Array, v: jax.Array,
     layout: str = TOKEN_MAJOR,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter a step's new K/V into the pages.
+    """Scatter a step's new K/V into the pages, with XLA's scatter (kernels_pallas.write_kv, which the
+    model calls, takes the CPU kernel for bfloat16 pages instead).
 
     k_pages, v_pages: pages in `layout` (donate them to the caller's jit so the update happens in place).
     slot_mapping: int32 [num_tokens]; physical slot block * block_size + offset, negative for
@@ -139,15 +139,7 @@ def write_kv(
     # NumPy's rules put the broadcast (block, slot) axes first even when a slice separates them.
     block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     at = index(layout, block, slot_mapping % block_size, slice(None), slice(None))
-    scatter = lambda k_pages, v_pages: (_scatter(k_pages, at, k), _scatter(v_pages, at, v))
-    if k_pages.dtype == jnp.bfloat16:
-        # Imported here: the kernel module imports this one.
-        from kernels_pallas.cpu import kernel as cpu_kernel
-
-        if cpu_kernel.available():  # XLA's CPU scatter would convert the whole pool (kv_write.cc)
-            write = functools.partial(cpu_kernel.write_kv_cpu, slot_mapping=slot_mapping, k=k, v=v, layout=layout)
-            return jax.lax.platform_dependent(k_pages, v_pages, cpu=write, default=scatter)
-    return scatter(k_pages, v_pages)
+    return _scatter(k_pages, at, k), _scatter(v_pages, at, v)
 
 
 def _scatter(pages: jax.Array, at, values: jax.Array) -> jax.Array:

@@ -89,10 +89,12 @@ def test_mixed_or_other_page_dtypes_are_refused():
         cpu_kernel.paged_attention_cpu(q, k.astype(jnp.float16), v.astype(jnp.float16), *meta, max_query_len=1)
 
 
+@pytest.mark.parametrize("write_kv", [kernels_pallas.write_kv, layout.write_kv], ids=["seam", "xla_scatter"])
 @pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
-def test_write_kv_rounds_to_the_nearest_bfloat16(kv_layout):
+def test_write_kv_rounds_to_the_nearest_bfloat16(kv_layout, write_kv):
     """As ml_dtypes rounds (to nearest, ties to even; subnormals, infinities and NaN included), into
-    the slots the mapping names and nowhere else (on the CPU, the C++ kernel writes them in place)."""
+    the slots the mapping names and nowhere else: through the seam (on the CPU, the C++ kernel writes
+    them in place) as through XLA's scatter."""
     rng = np.random.default_rng(3)
     shape = layout.page_shape(4, 8, 2, 16, kv_layout)
     k = rng.standard_normal((6, 2, 16)).astype(np.float32)
@@ -100,7 +102,7 @@ def test_write_kv_rounds_to_the_nearest_bfloat16(kv_layout):
     k[0, 0, :8] = [*ties, 1e-40, -3e-39, np.inf, np.nan]
     slots = np.array([3, 9, -1, 31, 17, 4 * 8 + 2], np.int32)  # padding, and a slot past the pool: dropped
     pages = jnp.zeros(shape, jnp.bfloat16)
-    k_pages, v_pages = layout.write_kv(pages, pages, jnp.asarray(slots), jnp.asarray(k), jnp.asarray(-k), kv_layout)
+    k_pages, v_pages = write_kv(pages, pages, jnp.asarray(slots), jnp.asarray(k), jnp.asarray(-k), kv_layout)
     assert k_pages.dtype == v_pages.dtype == jnp.bfloat16
     written = (slots >= 0) & (slots < 4 * 8)
     at = layout.index(kv_layout, slots[written] // 8, slots[written] % 8, slice(None), slice(None))

@@ -12,6 +12,7 @@ import pytest
 import kernels_pallas
 from kernels_pallas import layout
 from kernels_pallas.cpu import kernel as cpu_kernel
+from kernels_pallas.cpu import library
 from kernels_pallas.reference import paged_attention_reference
 from test_xla_cpu_attention import CASES, TOLERANCE, TRAILING_PAD_TOKENS, Case, case_id, make_inputs, rel_err
 
@@ -79,15 +80,15 @@ def test_seam_picks_the_kernel_for_float32_on_the_cpu():
 
 
 def test_kernel_without_its_source_is_a_fallback_that_says_why(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernel, "_SOURCES", (tmp_path / "attention.cc", *cpu_kernel._SOURCES[1:]))
-    cpu_kernel.build_error.cache_clear()
+    monkeypatch.setattr(library, "_SOURCES", (tmp_path / "attention.cc", *library._SOURCES[1:]))
+    library.build_error.cache_clear()
     try:
         assert kernels_pallas.choose_backend("auto", jnp.float32) == (
-            "xla", "the CPU kernel is unavailable: its source attention.cc is not installed beside kernels_pallas/cpu/kernel.py",
+            "xla", "the CPU kernel is unavailable: its source attention.cc is not installed beside kernels_pallas/cpu/library.py",
             True)
     finally:
         monkeypatch.undo()
-        cpu_kernel.build_error.cache_clear()
+        library.build_error.cache_clear()
         assert cpu_kernel.available()
 
 
@@ -101,7 +102,7 @@ def test_bad_block_table_is_an_error_not_a_crash():
 
 def _call_kernel(inputs, kv_layout, **attributes):
     """The kernel's FFI call, with `attributes` replacing the ones the layout gives."""
-    call = jax.ffi.ffi_call(cpu_kernel._TARGET, jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype))
+    call = jax.ffi.ffi_call(library.ATTENTION, jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype))
     return call(*inputs, scale=np.float32(inputs[0].shape[-1] ** -0.5), sliding_window=np.int64(0),
                 **cpu_kernel.layout_attributes(inputs[1], kv_layout) | attributes)
 
