@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import pathlib
-import random
 import shlex
 import signal
 import socket
@@ -42,11 +41,11 @@ import sys
 import time
 
 import httpx
-import numpy as np
 
 import bench_peers
 import bench_throughput
 from paged_jax.research import machine
+from serving_client import print_summary, replay, summarize
 
 DEFAULT_WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1.json"
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -89,99 +88,11 @@ def parse_args(argv=None):
     return args
 
 
-async def one_request(http: httpx.AsyncClient, request: dict, model: str) -> dict:
-    """Stream one completion; client-side timings (s) of its chunks and its token counts."""
-    body = dict(model=model, prompt=request["prompt_token_ids"], max_tokens=request["max_new_tokens"], temperature=0,
-                ignore_eos=True, stream=True, stream_options={"include_usage": True})
-    start = time.perf_counter()
-    chunk_times, usage = [], None
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"error": f"{r.status_code}: {(await r.aread()).decode()[:200]}"}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            elif chunk.get("choices"):
-                chunk_times.append(time.perf_counter())
-    end = time.perf_counter()
-    if not chunk_times or usage is None:
-        return {"error": "the stream ended without output or usage"}
-    return {"ttft": chunk_times[0] - start, "e2e": end - start, "itls": np.diff(chunk_times).tolist(),
-            "prompt_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
-
-
-async def replay(base_url: str, requests: list[dict], rate: float, seed: int, model: str) -> tuple[list[dict], float]:
-    rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600), limits=limits) as http:
-        start = time.perf_counter()
-        tasks = []
-        for request in requests:
-            tasks.append(asyncio.create_task(one_request(http, request, model)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
-
-
-def tpot(r: dict) -> float | None:
-    return (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) if r["output_tokens"] > 1 else None
-
-
-def within(r: dict, objectives: dict[str, float]) -> bool:
-    """Whether a successful request met every objective (ms); one with a single token has no TPOT."""
-    measured = {"ttft": r["ttft"], "tpot": tpot(r), "e2e": r["e2e"]}
-    return all(measured[key] is None or 1000 * measured[key] <= ms for key, ms in objectives.items())
-
-
-def summarize(results: list[dict], duration: float, rate: float, goodput: dict[str, float]) -> dict:
-    ok = [r for r in results if "error" not in r]
-    good = [r for r in ok if within(r, goodput)]
-    ms = lambda values: {name: round(1000 * float(f(values)), 2) if len(values) else None for name, f in (
-        ("mean", np.mean), ("median", np.median), ("p95", lambda v: np.percentile(v, 95)),
-        ("p99", lambda v: np.percentile(v, 99)))}
-    output_tokens = sum(r["output_tokens"] for r in ok)
-    prompt_tokens = sum(r["prompt_tokens"] for r in ok)
-    return {
-        "request_rate": rate if rate != float("inf") else "inf",
-        "successful_requests": len(ok), "failed_requests": len(results) - len(ok),
-        "duration_s": round(duration, 2), "total_input_tokens": prompt_tokens, "total_output_tokens": output_tokens,
-        "request_throughput": round(len(ok) / duration, 3),
-        "output_throughput": round(output_tokens / duration, 1),
-        "total_token_throughput": round((prompt_tokens + output_tokens) / duration, 1),
-        "ttft_ms": ms([r["ttft"] for r in ok]),
-        "tpot_ms": ms([tpot(r) for r in ok if r["output_tokens"] > 1]),
-        "itl_ms": ms([x for r in ok for x in r["itls"]]),
-        "e2e_ms": ms([r["e2e"] for r in ok]),
-        "errors": sorted({r["error"] for r in results if "error" in r})[:5],
-    } | ({"goodput_objectives_ms": goodput, "good_requests": len(good), "goodput": round(len(good) / duration, 3)}
-         if goodput else {})
-
-
 def server_compiles(base_url: str) -> float | None:
     """paged_jax:num_compiles_total, None for a server without it (vLLM)."""
     lines = httpx.get(f"{base_url}/metrics").text.splitlines()
     found = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("paged_jax:num_compiles_total")]
     return sum(found) if found else None
-
-
-def print_summary(s: dict) -> None:
-    print(f"{'=' * 16} {s['system']}, request rate {s['request_rate']} {'=' * 16}")
-    for key in ("successful_requests", "failed_requests", "duration_s", "total_input_tokens", "total_output_tokens",
-                "request_throughput", "output_throughput", "total_token_throughput", "compiles_during_run",
-                "compiles_so_far", "good_requests", "goodput"):
-        if key in s:
-            print(f"{key:<40}{s[key]}")
-    for key, title in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token (after the first)"),
-                       ("itl_ms", "inter-token latency"), ("e2e_ms", "end-to-end latency")):
-        print(f"--- {title} (ms)")
-        for stat, value in s[key].items():
-            print(f"  {stat:<38}{value}")
-    for error in s["errors"]:
-        print(f"error: {error}")
 
 
 def free_port() -> int:
