@@ -2,9 +2,9 @@
 
     python scripts/bench_pool.py [--num-blocks 131073 2049] [--block-size 16] [--rounds 3]
 
-Replays the workload (default W1) through the real Scheduler and BlockManager, each pool operation a
-jitted call on the CPU device as in the engine (paged_jax/research/replay.py with numpy_pool=False,
-steps of a fixed 10 ms of simulated time), and prints the wall time per step. A GPU's pool is large
+Replays the workload (default W1) through the real Scheduler and BlockManager, each step's pool
+operations replayed on the pool of record in one jitted call on the CPU device as in the engine
+(paged_jax/research/replay.py with functional_pool=True, steps of a fixed 10 ms of simulated time), and prints the wall time per step. A GPU's pool is large
 (131,073 blocks of 16 for SmolLM2 on an H200 at gpu_memory_utilization 0.9), a CPU's small: whatever
 a pool operation costs per block shows as the gap between the two.
 """
@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
         for i in range(args.rounds + 1):  # the first compiles the pool's programs
             start = time.perf_counter()
             out = replay(EngineConfig(block_size=args.block_size), num_blocks, requests, StepCost(0.01, 0.0, 0.0),
-                         numpy_pool=False)
+                         functional_pool=True)
             walls.append(time.perf_counter() - start)
             steps = len(out.step_time)
         ms = statistics.median(walls[1:]) / steps * 1e3

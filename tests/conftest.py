@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import pytest
 import torch
 import uvicorn
-from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from models import load_model
 from models.loader import load_tokenizer, resolve
@@ -46,6 +46,11 @@ TINY_ARCHS = {
         final_logit_softcapping=5.0, rope_parameters=dict(
             sliding_attention=dict(rope_type="default", rope_theta=10000.0),
             full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)))),
+    # Gemma 2: Gemma 3's layers without q/k norms, every second layer sliding, and its attention
+    # scores soft-capped (a cap of 2 bends most of them).
+    "gemma2": (Gemma2ForCausalLM, lambda: Gemma2Config(
+        **_TINY | dict(num_hidden_layers=3), head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        final_logit_softcapping=5.0, attn_logit_softcapping=2.0)),
 }
 
 @pytest.fixture(autouse=True, scope="module")
@@ -173,13 +178,13 @@ def running_server(app, *, graceful_shutdown_s: float = 5.0):
 def slow_steps(engine, seconds: float) -> None:
     """Make each of the engine's steps take `seconds` longer (a sleep before the model runs): a known
     pace, for tests of what happens over time."""
-    execute = engine.runner.execute
+    dispatch = engine.runner.dispatch
 
     def slow(*args):
         time.sleep(seconds)
-        return execute(*args)
+        return dispatch(*args)
 
-    engine.runner.execute = slow
+    engine.runner.dispatch = slow
 
 
 def fail_on_host(*args):

@@ -1,5 +1,9 @@
 """The flat, ragged batch one engine step feeds the model, padded to its buckets on the host
 (buckets.py), so a run meets a small, fixed set of shapes and nothing compiles after warm-up.
+
+A token the previous step sampled but the host has not read yet (asynchronous scheduling: the engine
+runs one step ahead, engine.py) goes in as a placeholder: `token_src` names the row of the previous
+step's sampled tokens that the model call takes its id from, on the device.
 """
 
 import dataclasses
@@ -17,6 +21,7 @@ from paged_jax.core.scheduler import ScheduledSeq
 @dataclasses.dataclass(frozen=True)
 class StepInput:
     input_ids: jax.Array  # int32 [num_tokens]
+    token_src: jax.Array  # int32 [num_tokens] row of the previous step's samples holding the id, or -1
     positions: jax.Array  # int32 [num_tokens]
     metadata: AttentionMetadata
     logits_indices: jax.Array  # int32 [num_head_rows] row of each sequence's last new token, then 0s
@@ -35,8 +40,8 @@ def _padding(shape: StepShape, num_head_rows: int) -> StepInput:
     T, S, W, Q = shape
     metadata = AttentionMetadata(np.full(T, -1, np.int32), np.zeros((S, W), np.int32), np.zeros(S, np.int32),
                                  np.zeros(S + 1, np.int32), max_query_len=Q)
-    return StepInput(np.zeros(T, np.int32), np.zeros(T, np.int32), metadata, np.zeros(num_head_rows, np.int32),
-                     cos=None, sin=None)
+    return StepInput(np.zeros(T, np.int32), np.full(T, -1, np.int32), np.zeros(T, np.int32), metadata,
+                     np.zeros(num_head_rows, np.int32), cos=None, sin=None)
 
 
 def _with_rope(step: StepInput, rope_freq: np.ndarray) -> StepInput:
@@ -46,23 +51,47 @@ def _with_rope(step: StepInput, rope_freq: np.ndarray) -> StepInput:
 
 def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: StepBuckets,
                      rope_freq: np.ndarray) -> StepInput:
-    """Lay the scheduled sequences' new tokens end to end, in the given order (numpy arrays)."""
+    """Lay the scheduled sequences' new tokens end to end, in the given order (numpy arrays).
+
+    A sequence's pending token (at most one: the engine reads a step's samples before it builds the
+    step after next) is its last new token, taken on the device from row seq.sample_row of the
+    previous step's samples. A decode row (one new token, most rows of most steps) is laid out in
+    plain Python, a prompt chunk with numpy: a numpy call costs about a microsecond whatever its size.
+    """
     num_tokens = sum(s.num_new_tokens for s in scheduled)
     step = _padding(buckets.shape(num_tokens, max(s.num_new_tokens for s in scheduled)), buckets.num_head_rows)
     metadata = step.metadata
-    metadata.query_start_loc[:] = num_tokens
+    rows = len(scheduled)
+    ids, src, positions, slots, seq_lens, starts = [], [], [], [], [], []
+    tables = metadata.block_tables
     start = 0
     for row, s in enumerate(scheduled):
         seq, n = s.seq, s.num_new_tokens
-        begin = seq.num_computed_tokens
-        pos = np.arange(begin, begin + n, dtype=np.int32)
-        blocks = np.asarray(seq.block_ids, np.int32)
-        step.input_ids[start : start + n] = seq.token_ids[begin : begin + n]
-        step.positions[start : start + n] = pos
-        metadata.slot_mapping[start : start + n] = blocks[pos // block_size] * block_size + pos % block_size
-        metadata.block_tables[row, : len(blocks)] = blocks
-        metadata.seq_lens[row] = begin + n
-        metadata.query_start_loc[row] = start
-        step.logits_indices[row] = start + n - 1
+        begin, known, blocks = seq.num_computed_tokens, len(seq.token_ids), seq.block_ids
+        tables[row, : len(blocks)] = blocks
+        starts.append(start)
+        seq_lens.append(begin + n)
+        if n == 1:
+            ids.append(seq.token_ids[begin] if begin < known else 0)
+            src.append(-1 if begin < known else seq.sample_row)
+            positions.append(begin)
+            slots.append(blocks[begin // block_size] * block_size + begin % block_size)
+        else:
+            pos = np.arange(begin, begin + n, dtype=np.int32)
+            ids.extend(seq.token_ids[begin : begin + n])
+            src.extend([-1] * min(n, known - begin))
+            if begin + n > known:  # the pending token, last
+                ids.append(0)
+                src.append(seq.sample_row)
+            positions.extend(pos.tolist())
+            slots.extend((np.asarray(blocks, np.int32)[pos // block_size] * block_size + pos % block_size).tolist())
         start += n
+    step.input_ids[:num_tokens] = ids
+    step.token_src[:num_tokens] = src
+    step.positions[:num_tokens] = positions
+    metadata.slot_mapping[:num_tokens] = slots
+    metadata.seq_lens[:rows] = seq_lens
+    metadata.query_start_loc[:rows] = starts
+    metadata.query_start_loc[rows:] = num_tokens
+    step.logits_indices[:rows] = np.asarray(starts[1:] + [num_tokens]) - 1
     return _with_rope(step, rope_freq)

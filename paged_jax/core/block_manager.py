@@ -1,69 +1,118 @@
-"""The engine's hold on the functional block pool, with the prefix cache beside it.
+"""The engine's hold on the block pool, with the prefix cache beside it.
 
-The pool state is the same pytree of JAX arrays a researcher jits and vmaps (block_pool.py); the engine
-keeps it on the host's CPU device, whatever accelerator the model runs on, because every scheduling
-decision is made on the host and reading it back there is a memcpy. Each method is a jitted pool call
-(or a few, for more than POOL_IDS ids), with id lists padded to POOL_IDS, so each call has one program,
-which `warm_up` makes before traffic.
+Every scheduling decision is made on the host, and a step makes dozens of pool operations (a block
+for each sequence that crosses into a new one, a reference for each block the prefix cache names).
+Made as jitted pool calls, each was a dispatch and a read-back: a GPU step's scheduling took 3 ms, half
+of it in those read-backs (docs/gpu.md). So the manager keeps the pool's bookkeeping on the host, by
+block_pool.py's rules (a FIFO queue of free blocks, popped at its head, released blocks pushed at its
+tail lowest id first, a reference count per block), and logs what each step did: the blocks it
+released and took, in order, and the reference counts it changed.
 
-A call reads back only its scalars (ok, the free count) and the ids it hands out. The reference
-counts the scheduler consults are a host copy kept in step with each successful call by the call's
-own rule (+1 per id shared, -1 per id freed, 1 for each id handed out), so no call moves a
-[num_blocks] array to the host: a GPU's pool has over 100,000 blocks (tests compare the copy with the
-pool after every operation).
-
-A replay, which runs the scheduler without a model, asks for the pool's NumPy twin (host_pool.py,
-tested against the jitted pool): the same decisions without a dispatch per call.
+The pool of record stays the functional one, a pytree of JAX arrays on the host's CPU device:
+`commit`, once a step, replays the log on it in one jitted call (block_pool.apply_log, padded to
+POOL_IDS ids a call, so one program). The call also checks that the blocks the host handed out are
+those the pool's queue gives; its flag is read at the next commit, when it is long done, so the check
+costs the step no wait. A replay of the scheduler alone (replay.py) asks for no pool of record
+(`functional_pool=False`).
 """
 
-import types
+import collections
+import dataclasses
 
 import jax
 import numpy as np
 
-from paged_jax.core import block_pool, host_pool
+from paged_jax.core import block_pool
 from paged_jax.core.buckets import POOL_IDS, pad_ids
-from paged_jax.core.prefix_cache import PrefixCache, block_hashes
+from paged_jax.core.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
+
+# The log's four id lists travel as one int32 [4, POOL_IDS] array: one transfer, not four.
+_apply_log = jax.jit(lambda pool, log: block_pool.apply_log(pool, *log), donate_argnums=0)
 
 
-# The pool's operations with the pool donated: the manager holds one pool and replaces it with each
-# call's result, so XLA updates it in place instead of copying its [num_blocks] arrays every call.
-_DONATED = types.SimpleNamespace(
-    allocate=jax.jit(block_pool.allocate, static_argnames="max_n", donate_argnames="pool"),
-    **{op.__name__: jax.jit(op, donate_argnames="pool")
-       for op in (block_pool.free, block_pool.share, block_pool.copy_on_write)})
+@dataclasses.dataclass
+class _Log:
+    """What the host did to the pool since the last commit: stretches of at most POOL_IDS blocks
+    released and POOL_IDS taken, each replayed in one call, then the reference counts it changed."""
+
+    stretches: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=lambda: [([], [])])
+    touched: set[int] = dataclasses.field(default_factory=set)
+
+    def release(self, ids: list[int]) -> None:
+        for block in ids:
+            if len(self.stretches[-1][0]) == POOL_IDS:
+                self.stretches.append(([], []))
+            self.stretches[-1][0].append(block)
+
+    def take(self, ids: list[int]) -> None:
+        for block in ids:
+            if len(self.stretches[-1][1]) == POOL_IDS:
+                self.stretches.append(([], []))
+            self.stretches[-1][1].append(block)
+
+    def __bool__(self) -> bool:
+        return bool(self.touched or self.stretches[0][0] or self.stretches[0][1])
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
-                 numpy_pool: bool = False):
-        """numpy_pool: run the pool's operations in NumPy (host_pool.py) rather than as jitted calls."""
+                 functional_pool: bool = True):
+        """functional_pool: keep the pool of record (block_pool.BlockPool) and replay each step on it."""
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block {block_pool.NULL_BLOCK} is reserved), "
+                             f"got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._ops = host_pool if numpy_pool else _DONATED
-        if numpy_pool:
-            self._cpu = None
-            self.pool = host_pool.init_pool(num_blocks)
-        else:
+        self.refcounts = np.zeros(num_blocks, np.int32)
+        self._queue = collections.deque(range(1, num_blocks))
+        self._log = _Log()
+        self._oks: list[jax.Array] = []  # the last commit's flags, read at the next
+        self.pool = None
+        if functional_pool:
             self._cpu = jax.local_devices(backend="cpu")[0]  # this process's, in a group of processes
-            with jax.default_device(self._cpu):
-                # Committed, as every pool a call returns is: a program is made for each, so the
-                # first pool's calls would otherwise need programs of their own.
-                self.pool = jax.device_put(block_pool.init_pool(num_blocks), self._cpu)
+            # Committed, as every pool a call returns is: else the first call would need a program of its own.
+            self.pool = jax.device_put(block_pool.init_pool(num_blocks), self._cpu)
         self.cache = PrefixCache(num_blocks) if enable_prefix_caching else None
-        self.refcounts = np.array(self.pool.refcounts, np.int32)  # the host copy: see the module's docstring
-        self.num_free = int(self.pool.num_free)
 
-    def _padded_ids(self, ids: list[int]) -> jax.Array | np.ndarray:
-        padded = pad_ids(ids, POOL_IDS, -1)
-        return padded if self._cpu is None else jax.device_put(padded, self._cpu)
+    @property
+    def num_free(self) -> int:
+        return len(self._queue)
 
     def warm_up(self) -> None:
-        """Make each pool call's program, by calls that change nothing."""
-        none = self._padded_ids([])
-        self.pool = self._ops.allocate(self.pool, 0, max_n=POOL_IDS)[0]
-        for op in (self._ops.free, self._ops.share, self._ops.copy_on_write):
-            self.pool = op(self.pool, none)[0]
+        """Make the commit's program, by a call that changes nothing."""
+        if self.pool is not None:
+            self._replay([([], [])], [], [])
+            self.check()
+
+    def commit(self) -> None:
+        """Replay the log on the pool of record (a dispatch; nothing waits for it), after checking the
+        previous commit's replay agreed."""
+        if self.pool is None:
+            self._log = _Log()
+            return
+        self.check()
+        log, self._log = self._log, _Log()
+        if log:
+            touched = sorted(log.touched)
+            self._replay(log.stretches, touched, self.refcounts[touched].tolist())
+
+    def check(self) -> None:
+        """Raise if the last commit found the host's bookkeeping and the pool's queue disagreeing (a bug)."""
+        oks, self._oks = self._oks, []
+        if not all(bool(ok) for ok in oks):
+            raise RuntimeError("the block pool's queue disagrees with the blocks the engine handed out")
+
+    def _replay(self, stretches: list[tuple[list[int], list[int]]], touched: list[int], counts: list[int]) -> None:
+        """One call a stretch; the reference counts go with the last one (and more calls if they are
+        many): a call's taken blocks get a count of 1, which the final counts must follow."""
+        chunks = [(touched[i : i + POOL_IDS], counts[i : i + POOL_IDS]) for i in range(0, len(touched), POOL_IDS)]
+        calls = len(stretches) - 1 + max(1, len(chunks))
+        for i in range(calls):
+            released, taken = stretches[i] if i < len(stretches) else ([], [])
+            ids, values = chunks[i - len(stretches) + 1] if 0 <= i - len(stretches) + 1 < len(chunks) else ([], [])
+            log = np.stack([pad_ids(part, POOL_IDS, -1) for part in (released, taken, ids, values)])
+            self.pool, ok = _apply_log(self.pool, jax.device_put(log, self._cpu))
+            self._oks.append(ok)
 
     def can_allocate(self, n: int, keep: list[int] = ()) -> bool:
         """Whether n blocks can be had, evicting cached blocks (other than `keep`) if need be."""
@@ -78,40 +127,37 @@ class BlockManager:
             return []
         if n > self.num_free and self.cache is not None:
             self.free(self.cache.evict(self.refcounts, n - self.num_free))
-        if n > self.num_free:  # checked before the first call, so a failure leaves the pool as it was
+        if n > self.num_free:
             raise RuntimeError(f"block pool refused to allocate {n} blocks ({self.num_free} free)")
-        out = []
-        for start in range(0, n, POOL_IDS):
-            take = min(POOL_IDS, n - start)
-            self.pool, ids, ok = self._ops.allocate(self.pool, take, max_n=POOL_IDS)
-            ids = self._check(ok, f"allocate {take} (of {self.num_free} free)", [], ids)[:take]
-            self.refcounts[ids] = 1
-            out += ids.tolist()
-        return out
+        ids = [self._queue.popleft() for _ in range(n)]
+        self.refcounts[ids] = 1
+        self._log.take(ids)
+        self._log.touched.update(ids)
+        return ids
 
     def free(self, ids: list[int]) -> None:
-        for start in range(0, len(ids), POOL_IDS):
-            chunk = ids[start : start + POOL_IDS]
-            self.pool, ok = self._ops.free(self.pool, self._padded_ids(chunk))
-            self._check(ok, "free", chunk)
-            np.subtract.at(self.refcounts, chunk, 1)
+        """Drop one reference per entry of ids (a block may appear once per reference it loses)."""
+        if not ids:
+            return
+        counts = collections.Counter(ids)
+        blocks = list(counts)
+        if not all(0 < b < self.num_blocks and counts[b] <= self.refcounts[b] for b in blocks):
+            # The scheduler's bookkeeping disagrees with the pool: a bug, never a user error.
+            raise RuntimeError(f"block pool refused to free blocks {list(ids)}")
+        self.refcounts[blocks] -= np.fromiter(counts.values(), np.int32, len(blocks))
+        released = sorted(b for b in blocks if self.refcounts[b] == 0)
+        self._queue.extend(released)
+        self._log.release(released)
+        self._log.touched.update(blocks)
 
     def share(self, ids: list[int]) -> None:
-        for start in range(0, len(ids), POOL_IDS):
-            chunk = ids[start : start + POOL_IDS]
-            self.pool, ok = self._ops.share(self.pool, self._padded_ids(chunk))
-            self._check(ok, "share", chunk)
-            np.add.at(self.refcounts, chunk, 1)
-
-    def _check(self, ok: jax.Array | bool, what: str, ids, result=None) -> np.ndarray | None:
-        """Raise unless the call succeeded; update the free count. Returns result (an array the call
-        returned) on the host, read back with ok and the count in one transfer."""
-        ok, num_free, result = jax.device_get((ok, self.pool.num_free, result))
-        if not bool(ok):
-            # The scheduler's bookkeeping disagrees with the pool: a bug, never a user error.
-            raise RuntimeError(f"block pool refused to {what} blocks {list(ids)}")
-        self.num_free = int(num_free)
-        return result
+        """Add one reference per entry of ids, each a block in use."""
+        if not ids:
+            return
+        if not all(0 < b < self.num_blocks and self.refcounts[b] > 0 for b in ids):
+            raise RuntimeError(f"block pool refused to share blocks {list(ids)}")
+        np.add.at(self.refcounts, ids, 1)
+        self._log.touched.update(ids)
 
     def is_shared(self, block: int) -> bool:
         """Whether a write to block must go to a private copy first."""
@@ -120,14 +166,12 @@ class BlockManager:
     def copy_on_write(self, block: int) -> tuple[int, int]:
         """(block, its private copy) for a shared block about to be written; the copy is one fresh
         block, so the caller checks can_allocate(1) first."""
-        if self.num_free == 0 and self.cache is not None:
-            self.free(self.cache.evict(self.refcounts, 1))
-        self.pool, _, copies, ok = self._ops.copy_on_write(self.pool, self._padded_ids([block]))
-        src, dst = (int(x) for x in self._check(ok, "copy on write", [block], copies)[0])
-        if src >= 0:  # (-1, -1): the block was not shared after all, and nothing changed
-            self.refcounts[src] -= 1
-            self.refcounts[dst] = 1
-        return src, dst
+        if not self.is_shared(block):
+            raise RuntimeError(f"block pool refused to copy block {block}, which is not shared")
+        (dst,) = self.allocate(1)
+        self.refcounts[block] -= 1
+        self._log.touched.add(block)
+        return block, dst
 
     # Prefix caching.
 
@@ -138,13 +182,21 @@ class BlockManager:
             return []
         return self.cache.match(block_hashes(token_ids[:-1], self.block_size))
 
-    def cache_full_blocks(self, token_ids: list[int], block_ids: list[int], num_cached: int, num_computed: int) -> int:
-        """Name the blocks that became full and computed; returns the new count of named blocks."""
+    def cache_full_blocks(self, token_ids: list[int], block_ids: list[int], num_cached: int, num_computed: int,
+                          hashes: list[int] | None = None) -> int:
+        """Name the blocks that became full and computed; returns the new count of named blocks.
+
+        hashes: the sequence's block names so far, extended here, so that each is computed once (a
+        name chains every earlier block's tokens)."""
         full = num_computed // self.block_size
         if self.cache is None or full <= num_cached:
             return num_cached
-        hashes = block_hashes(token_ids[: full * self.block_size], self.block_size)
-        newly_held = [b for h, b in zip(hashes[num_cached:], block_ids[num_cached:full]) if self.cache.insert(h, b)]
+        hashes = [] if hashes is None else hashes
+        if len(hashes) < full:
+            start = len(hashes) * self.block_size
+            hashes += block_hashes(token_ids[start : full * self.block_size], self.block_size,
+                                   hashes[-1] if hashes else ROOT_HASH)
+        newly_held = [b for h, b in zip(hashes[num_cached:full], block_ids[num_cached:full]) if self.cache.insert(h, b)]
         self.share(newly_held)
         return full
 

@@ -137,6 +137,43 @@ def copy_on_write(pool: BlockPool, ids: jax.Array) -> tuple[BlockPool, jax.Array
     return dataclasses.replace(pool, refcounts=refcounts), jnp.where(copy, dst, ids), copies, ok
 
 
+@jax.jit
+def apply_log(pool: BlockPool, released: jax.Array, taken: jax.Array, touched: jax.Array,
+              counts: jax.Array) -> tuple[BlockPool, jax.Array]:
+    """Replay a host's bookkeeping of the pool (block_manager.py) in one call: the blocks it released
+    and took, then the reference counts it left.
+
+    released: int32 [k] blocks that went back to the free queue, in the order they went, then -1s.
+    taken: int32 [k] the blocks the host handed out, in the order it took them, then -1s. Both from
+        one stretch of the host's operations, in whatever interleaving: the queue is a stream (its free
+        blocks, then the released ones) whose first len(taken) blocks are taken, so a block taken
+        and released, or released and taken again, within the stretch replays as it happened.
+    touched, counts: int32 [k] blocks and their reference counts at the end; -1 padding.
+    Fails (ok False, pool unchanged) where the host and the queue disagree: a taken block that is not
+    the next one in the stream, or more taken than the stream holds.
+    returns (pool, ok bool []).
+    """
+    size, width = pool.free_queue.shape[0], released.shape[0]
+    num_released = jnp.sum(released >= 0, dtype=jnp.int32)
+    take = taken >= 0
+    num_taken = jnp.sum(take, dtype=jnp.int32)
+    # Read before any write: a released block may land on a slot a taken one leaves.
+    j = jnp.arange(taken.shape[0])
+    from_released = released[jnp.clip(j - pool.num_free, 0, width - 1)]
+    ids = jnp.where(j < pool.num_free, pool.free_queue[(pool.head + j) % size], from_released)
+    ok = (num_taken <= pool.num_free + num_released) & jnp.all(jnp.where(take, ids, -1) == taken)
+    # Writes aimed out of bounds on failure (dropped), so that nothing costs more than its k entries:
+    # a select between two whole pools would pass over every block.
+    ranks = jnp.arange(width)
+    slots = jnp.where(ok & (ranks < num_released), (pool.head + pool.num_free + ranks) % size, size)
+    refcounts = pool.refcounts.at[jnp.where(ok & take, taken, pool.num_blocks)].set(1, mode="drop")
+    refcounts = refcounts.at[jnp.where(ok & (touched >= 0), touched, pool.num_blocks)].set(counts, mode="drop")
+    return BlockPool(free_queue=pool.free_queue.at[slots].set(released, mode="drop"),
+                     head=jnp.where(ok, (pool.head + num_taken) % size, pool.head),
+                     num_free=jnp.where(ok, pool.num_free + num_released - num_taken, pool.num_free),
+                     refcounts=refcounts), ok
+
+
 def _check_ids(pool: BlockPool, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """ids int32 [k] -> (the ids with padding moved out of bounds, whether all others are real blocks)."""
     real = (ids > NULL_BLOCK) & (ids < pool.num_blocks)

@@ -93,8 +93,15 @@ class EngineConfig:
     # models/sharding.py; on a GPU the KV budget is per device.
     tensor_parallel_size: int = _option(1, "devices to split the model's heads and MLP over (tensor parallelism)")
     seed: int = _option(0, "engine seed, for requests without their own")
+    # vLLM's name (there a bool; True and False are taken for "on" and "off"). engine.py: the host
+    # schedules and builds step N+1 while the device runs step N. "auto": on where the model runs on
+    # an accelerator; on the CPU the host's thread would take a core from the step's own compute.
+    async_scheduling: str = _option(
+        "auto", "schedule step N+1 while step N runs (auto: on a GPU, off on the CPU)", ("auto", "on", "off"))
 
     def __post_init__(self):
+        if isinstance(self.async_scheduling, bool):
+            object.__setattr__(self, "async_scheduling", "on" if self.async_scheduling else "off")
         for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "tensor_parallel_size", "max_num_partial_prefills"):
             value = getattr(self, name)
@@ -125,6 +132,7 @@ class ResolvedConfig:
     attention: BackendChoice  # the attention backend that runs (never "auto"), and why
     matmul: BackendChoice  # "cpu" or "xla" (never "auto"), and why
     buckets: StepBuckets  # every shape a step can take
+    scheduling: BackendChoice  # "async" or "sync" (engine.py), and why
 
     @property
     def attention_backend(self) -> str:
@@ -133,6 +141,10 @@ class ResolvedConfig:
     @property
     def matmul_backend(self) -> str:
         return self.matmul.backend
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.scheduling.backend == "async"
 
 
 class Device(Protocol):
@@ -263,4 +275,14 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
                           dtype=dtype, kv_cache_dtype=kv_dtype, platform=platform, attention=attention,
                           matmul=choose_matmul_backend(config, platform, weights_dtype),
                           buckets=StepBuckets(config.max_num_batched_tokens, config.max_num_seqs,
-                                              max_blocks_per_seq, backend))
+                                              max_blocks_per_seq, backend),
+                          scheduling=choose_scheduling(config, platform))
+
+
+def choose_scheduling(config: EngineConfig, platform: str) -> BackendChoice:
+    """Whether the engine runs a step ahead (engine.py), and why."""
+    if config.async_scheduling != "auto":
+        return BackendChoice("async" if config.async_scheduling == "on" else "sync", "asked for", False)
+    if platform == "cpu":
+        return BackendChoice("sync", "on the CPU the host's work would take a core from the step's own", False)
+    return BackendChoice("async", f"on {platform} the host prepares the next step while the device runs", False)

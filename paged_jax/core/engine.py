@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from paged_jax.core.errors import RequestError
 from paged_jax.core.model_runner import ModelRunner
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.request import Request
+from paged_jax.core.sampling import SamplerOutput
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from paged_jax.core.sequence import Sequence
@@ -41,6 +43,14 @@ _MAX_SEED = 2**31 - 1
 
 # Once, when the engine is imported, not by each engine built (compilation_cache.py).
 compilation_cache.enable()
+
+
+class _InFlight(NamedTuple):
+    """A dispatched step: what it computes, which rows sample, and its samples on the device."""
+
+    scheduled: list[ScheduledSeq]
+    samples: list[bool]
+    sampled: SamplerOutput
 
 
 def _mesh(config: EngineConfig) -> Mesh | None:
@@ -86,7 +96,10 @@ class LLMEngine:
         # little, and a prompt chunk cut to fill its bucket would only add a step.
         padding_costs = self.resolved.matmul_backend != "cpu"
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner,
-                                   token_buckets=tuple(self.resolved.buckets.token_buckets()) if padding_costs else ())
+                                   token_buckets=tuple(self.resolved.buckets.token_buckets()) if padding_costs else (),
+                                   max_model_len=self.resolved.max_model_len)
+        logger.info("scheduling %s: %s", self.resolved.scheduling.backend, self.resolved.scheduling.reason)
+        self._in_flight: _InFlight | None = None  # the step dispatched and not yet read (async scheduling)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
         self._requests: dict[str, Request] = {}
@@ -187,23 +200,53 @@ class LLMEngine:
         """Schedule, run the model once, sample; outputs for the requests that advanced (each as its
         SamplingParams.output_kind asks: a FINAL_ONLY request has one, when it finishes).
 
+        Under asynchronous scheduling (EngineConfig.async_scheduling) the engine runs one step ahead:
+        a step dispatches the next model call before it reads the previous one's samples, so the
+        host's work (reading, detokenizing, stop checks, outputs, then scheduling and building the
+        next step) happens while the device computes. A sequence whose token is still on the device
+        is scheduled with a placeholder the device fills in (batch.py); one that the token ends has
+        had one row computed for nothing, which is dropped. Steps with a constrained or beam-search
+        sequence running read the previous samples first: their masks and beams need the tokens.
+
         If anything in a step fails (a bug, an input no check caught), step() does not raise: the
         error is logged, and the requests in the step end at once with their blocks freed, each with a
         finished output whose completions have finish_reason "error" and RequestOutput.error set.
-        The requests in the step are those it scheduled or, when scheduling itself failed, all that
-        were running. The others go on, computed again if the failure took the KV cache with it.
+        The requests in the step are those it scheduled or read samples for or, when scheduling itself
+        failed, all that were running. The others go on, computed again if the failure took the KV
+        cache with it.
         """
         refused = [out for seq, e in self.gate.admit() for out in self._fail([seq.request_id], self._requests, e)]
         requests = dict(self._requests)  # as they stood before the step, in case it fails
         start = time.monotonic()
-        out = None
+        previous, self._in_flight = self._in_flight, None
+        out = launched = None
+        outputs = []
         try:
+            if previous is not None and self._needs_tokens_first():
+                outputs += self._read(previous)
+                previous = None
             out = self.scheduler.schedule()
-            return refused + self._run(out, start)
+            launched = self._launch(out, start)
+            self.blocks.commit()
+            if previous is not None:
+                outputs += self._read(previous)
+                previous = None
+            if launched is not None and not self.resolved.async_scheduling:
+                outputs += self._read(launched)
+                launched = None
+            self._in_flight = launched
+            return refused + outputs
         except Exception as error:
             logger.exception("an engine step failed; its requests end with an error")
-            seqs = self.scheduler.running if out is None else [*(s.seq for s in out.scheduled), *out.forked]
-            return self._fail(list(dict.fromkeys(s.request_id for s in seqs)), requests, error)
+            seqs = [s.seq for flight in (previous, launched) if flight is not None for s in flight.scheduled]
+            seqs += self.scheduler.running if out is None else [*(s.seq for s in out.scheduled), *out.forked]
+            failed = list(dict.fromkeys(s.request_id for s in seqs))
+            return refused + [o for o in outputs if o.request_id not in failed] + self._fail(failed, requests, error)
+
+    def _needs_tokens_first(self) -> bool:
+        """Whether the next schedule needs the in-flight step's tokens on the host: a constrained row's
+        mask follows from its last token, and beams are chosen from every sibling's proposals."""
+        return any(s.guide is not None or s.params.use_beam_search for s in self.scheduler.running)
 
     def _fail(self, request_ids: list[str], requests: dict[str, Request], error: Exception) -> list[RequestOutput]:
         """End the given requests with an error, and leave the engine fit to serve the others."""
@@ -223,25 +266,39 @@ class LLMEngine:
             self.blocks.reset_prefix_cache()
         return outputs
 
-    def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
+    def _launch(self, out: SchedulerOutput, start: float) -> "_InFlight | None":
+        """Dispatch the scheduled step; the sequences it samples for have a token pending from then on."""
         self.num_batched_tokens += out.num_tokens
         for child in out.forked:
             self._requests[child.request_id].seqs.append(child)
         if not out.scheduled:
-            return []
+            return None
         scheduled = out.scheduled
         for s in scheduled:
             request = self._requests[s.seq.request_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
-        sampled = self.runner.execute(scheduled, out.copies)
+        samples = [s.samples for s in scheduled]  # before the counts below move on
+        sampled = self.runner.dispatch(scheduled, out.copies)
         self._track_peak(scheduled)
+        for row, (s, sample) in enumerate(zip(scheduled, samples)):
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if sample:
+                s.seq.num_pending += 1
+                s.seq.sample_row = row
+        return _InFlight(scheduled, samples, sampled)
+
+    def _read(self, flight: "_InFlight") -> list[RequestOutput]:
+        """Take a dispatched step's samples into its sequences: append, stop, outputs."""
+        sampled = self.runner.collect(flight.sampled)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for row, s in enumerate(scheduled):
-            seq, samples = s.seq, s.samples
-            seq.num_computed_tokens += s.num_new_tokens
-            if not samples:
+        for row, (s, sample) in enumerate(zip(flight.scheduled, flight.samples)):
+            seq = s.seq
+            if not sample:
+                continue
+            seq.num_pending -= 1
+            if seq.is_finished:  # aborted, or ended by its previous token: this row was computed for nothing
                 continue
             request = touched[seq.request_id] = self._requests[seq.request_id]
             if request.params.use_beam_search:

@@ -6,7 +6,10 @@ model's by the step's tokens, the head's and sampler's by the sampled rows, whic
 one by one. Every program either can run is made by `warm_up`, on padding that writes nothing.
 
 The KV cache is donated to every call that changes it, so XLA updates its pages in place, and a step
-sends back only what the sampler picked (one device-to-host transfer). `ModelRunner.step_args` gives
+sends back only what the sampler picked (one device-to-host transfer). A step is dispatched
+(`dispatch`) and its samples read (`collect`) apart, so the engine can dispatch the next step before
+it reads this one's (asynchronous scheduling, engine.py): the sampled tokens also stay on the device,
+padded to a fixed width, where the next step's placeholders read them (batch.py). `ModelRunner.step_args` gives
 what the engine passes the model call, so the same call can be lowered for another platform (tests
 lower it for CUDA on a CPU machine).
 
@@ -27,7 +30,7 @@ from jax.sharding import Mesh
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from kernels_pallas.layout import get_pages, set_pages
 from models import rope, sharding
-from paged_jax.core import distributed, sampling, structured_output
+from paged_jax.core import distributed, packing, sampling, structured_output
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.config import ResolvedConfig
@@ -56,13 +59,16 @@ class ModelGraph:
                                  and (self.graphdef, self.treedef) == (other.graphdef, other.treedef))
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "attn_backend", "mesh"), donate_argnames=("kv_cache",))
-def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, step_input: StepInput, *,
-         attn_backend: str, mesh: Mesh | None = None):
+@functools.partial(jax.jit, static_argnames=("graph", "layout", "attn_backend", "mesh"), donate_argnames=("kv_cache",))
+def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, packed: jax.Array,
+         previous: jax.Array, *, layout: packing.Layout, attn_backend: str, mesh: Mesh | None = None):
     """The model's layers over one flat batch.
 
     weights: the model state's leaves, in graph.treedef's order.
     kv_cache: every layer's pages, donated (updated in place; do not reuse the one passed in).
+    packed: int32 [words], the step's StepInput as packing.pack laid it out (layout): one transfer.
+    previous: int32 [num_head_rows], the previous step's sampled tokens, which the batch's
+        placeholders (step_input.token_src) take their ids from.
     attn_backend: a concrete backend (kernels_pallas.BACKENDS, not "auto": the caller knows the
         platform it compiles for, the trace does not).
     mesh: the mesh that state and kv_cache are split over (tensor parallelism), or None.
@@ -70,19 +76,26 @@ def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, s
     holding the step's K/V).
     """
     model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
-    hidden, kv_cache = model.hidden_states(step_input.input_ids, step_input.positions, kv_cache, step_input.metadata,
+    step_input: StepInput = packing.unpack(packed, layout)
+    src = step_input.token_src
+    input_ids = jnp.where(src >= 0, previous[jnp.maximum(src, 0)], step_input.input_ids)
+    hidden, kv_cache = model.hidden_states(input_ids, step_input.positions, kv_cache, step_input.metadata,
                                            attn_backend=attn_backend, mesh=mesh,
                                            cos_sin=(step_input.cos, step_input.sin))
     return hidden[step_input.logits_indices], kv_cache
 
 
-@functools.partial(jax.jit, static_argnames=("graph",))
-def sample_step(graph: ModelGraph, weights: tuple[jax.Array, ...], hidden: jax.Array,
-                tensors: sampling.SamplingTensors) -> sampling.SamplerOutput:
+@functools.partial(jax.jit, static_argnames=("graph", "layout"))
+def sample_step(graph: ModelGraph, weights: tuple[jax.Array, ...], hidden: jax.Array, packed: jax.Array,
+                previous: jax.Array, *, layout: packing.Layout) -> tuple[sampling.SamplerOutput, jax.Array]:
     """The final norm, the lm_head and the sampler over the first S rows of hidden [rows, hidden] (S:
-    the tensors' rows). Returns the SamplerOutput with S rows."""
+    the tensors' rows); packed: int32 [words], the SamplingTensors as packing.pack laid them out;
+    previous: int32 [rows], the previous step's tokens (a history's PENDING ids).
+    Returns the SamplerOutput with S rows, and its tokens padded to int32 [rows] for the next step."""
     model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
-    return sampling.sample(model.logits(hidden[: tensors.temperature.shape[0]]), tensors)
+    tensors: sampling.SamplingTensors = packing.unpack(packed, layout)
+    sampled = sampling.sample(model.logits(hidden[: tensors.temperature.shape[0]]), tensors, previous)
+    return sampled, jnp.zeros(hidden.shape[0], jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
@@ -131,8 +144,12 @@ class ModelRunner:
         self._rope_freq = rope.inv_freq(model_config)
         self.resolved = resolved
         self.kv_cache = self._new_kv_cache()
+        # The last dispatched step's sampled tokens, on the device: the next step's placeholders' ids.
+        previous = np.zeros(resolved.buckets.num_head_rows, np.int32)
+        self._previous = jax.device_put(previous, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                                        if mesh is not None else self._weights[0].sharding)
         self.step_observers: list = []  # each called with a step's scheduled sequences before it runs (step_profile.py)
-        self.device_seconds = 0.0  # waiting for steps to come back, so far (run_step)
+        self.device_seconds = 0.0  # dispatching steps and waiting for their samples, so far
 
     def _new_kv_cache(self) -> KVCache:
         if self.mesh is None:
@@ -162,9 +179,27 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
+        return self.collect(self.dispatch(scheduled, copies))
+
+    def dispatch(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
+        """Start the step (block copies, the model call, the sampler) and return at once: its samples,
+        device arrays on their way to the host, for `collect`. A scheduled sequence with a pending token
+        reads it from the previously dispatched step's samples (seq.sample_row)."""
         for observe in self.step_observers:
             observe(scheduled)
-        return self.run_step(np.asarray(copies, np.int32).reshape(-1, 2), *self.host_inputs(scheduled))
+        start = time.perf_counter()
+        sampled = self.dispatch_step(np.asarray(copies, np.int32).reshape(-1, 2), *self.host_inputs(scheduled))
+        for x in jax.tree.leaves(sampled):
+            x.copy_to_host_async()
+        self.device_seconds += time.perf_counter() - start
+        return sampled
+
+    def collect(self, sampled: sampling.SamplerOutput) -> sampling.SamplerOutput:
+        """A dispatched step's samples on the host (numpy), once the step is done."""
+        start = time.perf_counter()
+        sampled = distributed.to_host(sampled)
+        self.device_seconds += time.perf_counter() - start
+        return sampled
 
     def host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInput, sampling.SamplingTensors]:
         """The step's host arrays for these sequences: the flat batch and page tables, the sampling tensors."""
@@ -172,16 +207,20 @@ class ModelRunner:
         # A row that does not sample this step (a prompt chunk) has nothing to constrain.
         guides = [s.seq.guide if s.samples else None for s in scheduled]
         step_input = build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets, self._rope_freq)
+        # A pending token counts as generated (the sampler's step, min_tokens) and, under penalties, is
+        # read into the history on the device.
+        output_ids = [s.output_token_ids + [sampling.PENDING] * s.num_pending for s in seqs]
         return step_input, self._sampling_tensors(
             [s.params for s in seqs], [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs],
-            [s.token_ids[: s.num_prompt_tokens] for s in seqs], [s.output_token_ids for s in seqs], guides)
+            [s.token_ids[: s.num_prompt_tokens] for s in seqs], output_ids, guides, [s.sample_row for s in seqs])
 
-    def _sampling_tensors(self, params, seeds, prompt_ids, output_ids, guides=()) -> sampling.SamplingTensors:
+    def _sampling_tensors(self, params, seeds, prompt_ids, output_ids, guides=(),
+                          pending_rows=()) -> sampling.SamplingTensors:
         rows, vocab = self.resolved.buckets.sample_rows(len(params)), self.model_config.vocab_size
         allowed = structured_output.allowed_tokens(guides, rows, vocab) if any(g is not None for g in guides) else None
         return sampling.make_sampling_tensors(
             params, seeds, prompt_ids, output_ids, self.model_config.eos_token_ids, allowed=allowed,
-            pad_rows_to=rows, vocab_size=vocab, history_width=self.resolved.max_model_len)
+            pad_rows_to=rows, vocab_size=vocab, history_width=self.resolved.max_model_len, pending_rows=pending_rows)
 
     def step_args(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict]:
         """(args, keywords) that `execute` calls `step`, the model call, with for these sequences: the
@@ -189,15 +228,25 @@ class ModelRunner:
         return self._step_args(self.host_inputs(scheduled)[0])
 
     def _step_args(self, step_input: StepInput) -> tuple[tuple, dict]:
-        keywords = dict(attn_backend=self.resolved.attention_backend, mesh=self.mesh)
-        return (self.graph, self._weights, self.kv_cache, step_input), keywords
+        packed, layout = packing.pack(step_input)
+        keywords = dict(layout=layout, attn_backend=self.resolved.attention_backend, mesh=self.mesh)
+        return (self.graph, self._weights, self.kv_cache, packed, self._previous), keywords
+
+    def sample_args(self, hidden: jax.Array, tensors: sampling.SamplingTensors) -> tuple[tuple, dict]:
+        """(args, keywords) that `sample_step` is called with for the model call's output and these tensors."""
+        packed, layout = packing.pack(tensors)
+        return (self.graph, self._weights, hidden, packed, self._previous), dict(layout=layout)
+
+    def _sample(self, hidden: jax.Array, tensors: sampling.SamplingTensors):
+        args, keywords = self.sample_args(hidden, tensors)
+        return sample_step(*args, **keywords)
 
     @distributed.replicated
-    def run_step(self, copies: np.ndarray, step_input: StepInput,
-                 tensors: sampling.SamplingTensors) -> sampling.SamplerOutput:
-        """Copy blocks (copies: int32 [n, 2] rows of src, dst), then run the step; what it sampled, on the
-        host. Adds to device_seconds the time from the first call until the samples were on the host."""
-        start = time.perf_counter()
+    def dispatch_step(self, copies: np.ndarray, step_input: StepInput,
+                      tensors: sampling.SamplingTensors) -> sampling.SamplerOutput:
+        """Copy blocks (copies: int32 [n, 2] rows of src, dst), then run the step and its sampler; what
+        it sampled, device arrays. Each process keeps its own copy of the sampled tokens for the next
+        step's placeholders, so a group's messages carry host arrays only."""
         width = self.resolved.buckets.num_head_rows  # a step makes at most one copy per sequence
         for i in range(0, len(copies), width):
             chunk = copies[i : i + width]
@@ -205,8 +254,7 @@ class ModelRunner:
                                         np.int32(len(chunk)))
         args, keywords = self._step_args(step_input)
         hidden, self.kv_cache = step(*args, **keywords)
-        sampled = distributed.to_host(sample_step(self.graph, self._weights, hidden, tensors))
-        self.device_seconds += time.perf_counter() - start
+        sampled, self._previous = self._sample(hidden, tensors)
         return sampled
 
     def warm_up(self) -> None:
@@ -222,9 +270,12 @@ class ModelRunner:
                     for params in (SamplingParams(temperature=0), SamplingParams(),
                                    SamplingParams(temperature=0, repetition_penalty=1.1),
                                    SamplingParams(repetition_penalty=1.1))]
+        # A whole step first: the sampled tokens a step hands the next are then as every later step gets
+        # them (their sharding is part of each program's signature).
+        self.collect(self.dispatch_step(np.zeros((1, 2), np.int32), self._padding_step(buckets.shapes()[0]),
+                                        samplers[0]))
         for i, shape in enumerate(buckets.shapes()):
             self.warm_step(self._padding_step(shape), samplers if i == 0 else [])
-        self.run_step(np.zeros((1, 2), np.int32), self._padding_step(buckets.shapes()[0]), samplers[0])
         self.swap_in(self.swap_out([0]), [self.resolved.num_blocks])
 
     def _padding_step(self, shape) -> StepInput:
@@ -235,7 +286,7 @@ class ModelRunner:
         """Run the model call on step_input, then the sampler with each of samplers on its output."""
         args, keywords = self._step_args(step_input)
         hidden, self.kv_cache = step(*args, **keywords)
-        jax.block_until_ready([sample_step(self.graph, self._weights, hidden, tensors) for tensors in samplers])
+        jax.block_until_ready([self._sample(hidden, tensors) for tensors in samplers])
 
     # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks, a fixed
     # number of blocks per call.

@@ -38,6 +38,9 @@ import numpy as np
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _BITS = 32  # tokens per word of the ban mask
+# In a history, an output token the previous step sampled and the host has not read: `sample` reads it
+# from that step's samples on the device (asynchronous scheduling, engine.py).
+PENDING = -2
 
 
 @jax.tree_util.register_dataclass
@@ -59,6 +62,7 @@ class SamplingTensors:
     steps: jax.Array  # int32 [S]                tokens the row has generated so far
     banned: jax.Array  # uint32 [S, W]           bit t % 32 of word t // 32: t may not be sampled this step
     history: jax.Array  # int32 [S, H]           prompt ids then output ids, -1 padded; H = 0 unless do_penalties
+    pending_row: jax.Array  # int32 [S]          row of the previous step's samples that a PENDING history id is
     num_prompt_ids: jax.Array  # int32 [S]       how many of a row's history ids are its prompt's
     any_banned: jax.Array  # bool []
     do_top_k_top_p: jax.Array  # bool []         some sampled row has top_k or top_p
@@ -93,6 +97,7 @@ def make_sampling_tensors(
     pad_rows_to: int,
     vocab_size: int,
     history_width: int,
+    pending_rows: Sequence[int] = (),
 ) -> SamplingTensors:
     """Pack one step's rows for `sample`.
 
@@ -108,6 +113,8 @@ def make_sampling_tensors(
     vocab_size: the logits' width (at least), for the ban mask.
     history_width: H when some row has penalties, at least any row's prompt and output together (the
         engine's context length, so that it is one shape).
+    pending_rows: per row, the row of the previous step's samples that holds the PENDING token at the
+        end of its output_ids, if it has one (any value otherwise); none: no row has one.
     """
     num = len(params)
     if not len(seeds) == len(prompt_ids) == len(output_ids) == num:
@@ -131,6 +138,8 @@ def make_sampling_tensors(
         key_data[:num, 1] = [s & 0xFFFFFFFF for s in seeds64]
     banned = np.zeros((pad_rows_to, -(-vocab_size // _BITS)), np.uint32)
     for row, (p, out) in enumerate(zip(params, output_ids)):
+        if len(out) >= p.min_tokens:  # nothing banned: most rows, skipped without a numpy call
+            continue
         ids = np.asarray(_banned_ids(p, len(out), eos_ids), np.int64)
         ids = ids[ids < vocab_size]  # a stop id the model never produces needs no ban
         np.bitwise_or.at(banned[row], ids // _BITS, (1 << (ids % _BITS)).astype(np.uint32))
@@ -159,6 +168,7 @@ def make_sampling_tensors(
         banned=banned,
         history=history,
         num_prompt_ids=column([len(prompt) for prompt in prompt_ids], 0, np.int32),
+        pending_row=column(pending_rows or 0, 0, np.int32),
         any_banned=np.bool_(banned.any()),
         do_top_k_top_p=np.bool_(any(p.top_k > 0 or p.top_p < 1 for p in sampled)),
         any_logprobs=np.bool_(any(p.logprobs is not None for p in params)),
@@ -180,8 +190,9 @@ def _banned_ids(p: SamplingParams, generated: int, eos_ids: Sequence[int]) -> tu
 
 
 @jax.jit
-def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
-    """logits: float [S, V] (any float dtype, computed in f32), one row per row of `t`.
+def sample(logits: jax.Array, t: SamplingTensors, previous: jax.Array | None = None) -> SamplerOutput:
+    """logits: float [S, V] (any float dtype, computed in f32), one row per row of `t`. previous: int32
+    [P], the previous step's sampled tokens, for the PENDING ids of a history (t.pending_row).
 
     Compiles once per S, V, ban-mask width and history width; top logprobs are always
     min(MAX_LOGPROBS, V) wide, filled only when some row asks for them.
@@ -193,6 +204,9 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
         raise ValueError(f"the ban mask covers {t.banned.shape[1] * _BITS} tokens, the logits {vocab}")
     logits = raw = logits.astype(jnp.float32)
     if t.do_penalties:
+        if previous is not None:
+            pending = previous[t.pending_row][:, None]
+            t = dataclasses.replace(t, history=jnp.where(t.history == PENDING, pending, t.history))
         logits = apply_penalties(logits, t)
     logits = _ban(logits, t.banned)
     tokens = argmax(logits)

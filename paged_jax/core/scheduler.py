@@ -36,7 +36,6 @@ import collections
 import dataclasses
 from typing import Protocol
 
-from jax.experimental.pallas import cdiv
 
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
@@ -78,10 +77,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: KVSwapper | None = None,
-                 token_buckets: tuple[int, ...] = ()):
+                 token_buckets: tuple[int, ...] = (), max_model_len: int | None = None):
         """token_buckets: the step sizes the model runs at, ascending (buckets.py); none: steps cost by
-        their tokens alone (replay.py's model), and prompt chunks are not cut to fit."""
+        their tokens alone (replay.py's model), and prompt chunks are not cut to fit. max_model_len: the
+        context length, past which a sequence whose pending token reaches it is not scheduled."""
         self.config = config
+        self.max_model_len = max_model_len
         self.token_buckets = token_buckets
         self.blocks = block_manager
         self.swapper = swapper
@@ -97,7 +98,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.blocks.block_size)
+        return -(-num_tokens // self.blocks.block_size)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[], copies=[], preempted=[], forked=self._fork_ready())
@@ -113,7 +114,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget.tokens > 0 and len(out.scheduled) < self.config.max_num_seqs:
             seq = self.running[i]
-            num_new = self._num_new_tokens(seq, budget)
+            num_new = 0 if self._ends_when_read(seq) else self._num_new_tokens(seq, budget)
             if seq.num_computable_tokens - seq.num_computed_tokens == 1:
                 decodes_after -= 1
             elif num_new and (num_new < seq.num_computable_tokens - seq.num_computed_tokens or not self.waiting):
@@ -152,9 +153,16 @@ class Scheduler:
     def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         out.scheduled.append(ScheduledSeq(seq, num_new))
         # Blocks this step fills are named now, not after the step: a request admitted later in this
-        # same step can then share them, since every layer writes the step's K/V before attending.
+        # same step can then share them, since every layer writes the step's K/V before attending. A
+        # block holding a pending token is named once the token is read, a step later.
         seq.num_cached_blocks = self.blocks.cache_full_blocks(
-            seq.token_ids, seq.block_ids, seq.num_cached_blocks, seq.num_computed_tokens + num_new)
+            seq.token_ids, seq.block_ids, seq.num_cached_blocks,
+            min(seq.num_computed_tokens + num_new, len(seq.token_ids)), seq.block_hashes)
+
+    def _ends_when_read(self, seq: Sequence) -> bool:
+        """Whether seq's pending token ends it by length: a step after it would be computed for nothing."""
+        return seq.ends_when_read or (seq.num_pending > 0 and self.max_model_len is not None
+                                      and seq.num_tokens >= self.max_model_len)
 
     def _num_new_tokens(self, seq: Sequence, budget: StepBudget) -> int:
         """Tokens to compute for seq this step, 0 if it cannot run now."""
@@ -187,6 +195,8 @@ class Scheduler:
         sequences in the policy's order (possibly seq itself) until the pool can; False when seq was
         preempted."""
         missing = self._blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
+        if missing <= 0 and self._shared_tail(seq) is None:  # most decodes: nothing to reserve
+            return True
         # Counted again after each preemption: the victim may have been what shared the block.
         while not self.blocks.can_allocate(missing + (self._shared_tail(seq) is not None)):
             victim = self.running[-1]
@@ -284,7 +294,8 @@ class Scheduler:
         """A copy of parent that shares its KV blocks (copy-on-write) and queues right behind it, with a
         copy of its constraint's matcher."""
         child = dataclasses.replace(parent, seq_id=seq_id, index=index, forks=1, token_ids=list(parent.token_ids),
-                                    block_ids=list(parent.block_ids), logprobs=[], beam_candidates=None,
+                                    block_ids=list(parent.block_ids), block_hashes=list(parent.block_hashes),
+                                    logprobs=[], beam_candidates=None,
                                     guide=parent.guide and parent.guide.fork())
         self.blocks.share(parent.block_ids)
         queue = self.running if parent.status is Status.RUNNING else self.waiting

@@ -35,6 +35,13 @@ class Sequence:
     num_computed_tokens: int = 0
     # Full blocks already named in the prefix cache, so each is inserted once.
     num_cached_blocks: int = 0
+    # The names of its full blocks so far (prefix_cache.block_hashes), each computed once.
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
+    # Tokens a dispatched step has sampled that the host has not read yet (asynchronous scheduling:
+    # the engine runs one step ahead); the scheduler counts them, the next step reads the last of them
+    # on the device, at row `sample_row` of the step that sampled it.
+    num_pending: int = 0
+    sample_row: int = -1
     # Prompt tokens whose KV came from the prefix cache at admission.
     num_prefix_hit_tokens: int = 0
     # A request with n > 1 computes its prompt but the last token once, then forks into n samples.
@@ -59,11 +66,18 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens the host has read (pending ones not counted)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens of the sequence as the scheduler sees it: those read, and those still pending."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def ends_when_read(self) -> bool:
+        """Whether a pending token will end it by length (max_tokens), so no step needs to follow."""
+        return self.num_pending > 0 and self.num_output_tokens + self.num_pending >= self.params.max_tokens
 
     @property
     def num_computable_tokens(self) -> int:

@@ -20,6 +20,6 @@ def check_stop(seq: Sequence, token: int, text: OutputText, eos_token_ids: froze
             return "stop", stop
     if seq.guide is not None and seq.guide.finished:
         return "stop", None
-    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= max_model_len:
         return "length", None
     return None

@@ -4,7 +4,7 @@ Each step the scheduler decides as it does in the engine; the model is replaced 
 (seconds = a + b * tokens computed + c * context tokens attended) and by a made-up next token, so a
 configuration of the scheduler (policy, token and sequence budgets, chunked prefill, preemption mode,
 pool size) is measured in a fraction of a second of host time (0.1 to 0.5 s for 100 requests; the
-block pool runs in NumPy, host_pool.py). Swapped-out KV costs nothing here: the cost model knows no
+block manager's bookkeeping alone, without its pool of record). Swapped-out KV costs nothing here: the cost model knows no
 transfer time.
 """
 
@@ -100,20 +100,21 @@ class _NoKV:
 
 
 def replay(config: EngineConfig, num_blocks: int, requests: list[Request], cost: StepCost,
-           max_steps: int = 1_000_000, *, numpy_pool: bool = True,
+           max_steps: int = 1_000_000, *, functional_pool: bool = False,
            observe: Callable[[float, dict], None] | None = None) -> Replay:
     """Run requests to completion; num_blocks counts the null block, as the engine's pool does.
 
     Every request generates exactly max_tokens tokens (EOS ignored), as the benchmarks here do. The
-    pool is checked to be all free (prefix cache dropped) at the end: blocks never leak. The block
-    pool's operations run in NumPy (host_pool.py) unless numpy_pool is False: the same decisions, in
-    a fraction of the time of the engine's jitted calls. observe(clock, snapshot), when given, sees
+    pool is checked to be all free (prefix cache dropped) at the end: blocks never leak. With
+    functional_pool, each step is also replayed on the block manager's pool of record, as in the
+    engine (block_manager.py), which checks the host's bookkeeping step by step. observe(clock, snapshot), when given, sees
     the pool and queues after each step (core/snapshot.py's scheduler_snapshot), the step's row in
     the result recorded just before.
     """
     if config.block_size is None:
         raise ValueError("replay models blocks of a given size: set config.block_size")
-    blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, numpy_pool=numpy_pool)
+    blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                          functional_pool=functional_pool)
     scheduler = Scheduler(config, blocks, swapper=_NoKV())
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
     seqs = [Sequence(seq_id=i, request_id=str(i), token_ids=list(r.prompt_token_ids),
@@ -148,11 +149,14 @@ def replay(config: EngineConfig, num_blocks: int, requests: list[Request], cost:
         # The blocks of a running sequence cover exactly its computed tokens once the step is done.
         slots = sum(len(s.block_ids) for s in scheduler.running) * config.block_size
         held = sum(s.num_computed_tokens for s in scheduler.running)
+        blocks.commit()
         steps.append((clock, out.num_tokens, len(scheduler.waiting), len(scheduler.running), slots, held))
         if observe is not None:
             observe(clock, scheduler_snapshot(scheduler, blocks))
     blocks.reset_prefix_cache()
-    if blocks.num_free != num_blocks - 1:
+    blocks.commit()
+    blocks.check()
+    if blocks.num_free != num_blocks - 1 or (blocks.pool is not None and int(blocks.pool.num_free) != num_blocks - 1):
         raise RuntimeError(f"blocks leaked: {num_blocks - 1 - blocks.num_free} still held after the replay")
     columns = np.array(steps).T if steps else np.zeros((6, 0))
     return Replay(

@@ -92,7 +92,7 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
             programs[key] = ("jit_step", abstract)
             hidden_of[key] = jax.ShapeDtypeStruct(out.shape, out.dtype)
         tensors = runner.host_inputs(scheduled)[1]
-        sample = _abstract((runner.graph, runner._weights, hidden_of[key], tensors), {})
+        sample = _abstract(*runner.sample_args(hidden_of[key], tensors))
         sample_key = _signature_key(sample)
         programs.setdefault(sample_key, ("jit_sample_step", sample))
         new = [s.num_new_tokens for s in scheduled]

@@ -56,7 +56,10 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
     engine.blocks.reset_prefix_cache()
     assert engine.blocks.num_free == engine.blocks.num_blocks - 1
+    engine.blocks.commit()  # the pool of record follows at each step's commit (block_manager.py)
+    engine.blocks.check()
     assert not np.asarray(engine.blocks.pool.refcounts).any()
+    assert int(engine.blocks.pool.num_free) == engine.blocks.num_blocks - 1
 
 
 # Issue 8's workload, forks on a pool of 12 blocks: three requests of n = 4 samples whose 40 tokens

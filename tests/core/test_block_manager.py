@@ -1,6 +1,7 @@
-"""The block manager on its own, over the jitted pool and its NumPy twin: reference counts, the prefix
+"""The block manager on its own, with and without its pool of record: reference counts, the prefix
 cache's own reference on each named block, eviction when the pool runs short, copy-on-write, and a pool
-all free once everything is let go."""
+all free once everything is let go. With the pool of record, every check first commits the log to it
+and compares its reference counts and free count with the host's."""
 
 import numpy as np
 import pytest
@@ -11,16 +12,21 @@ BS = 4
 NUM_BLOCKS = 9  # 8 usable
 
 
-@pytest.fixture(params=[False, True], ids=["jitted_pool", "numpy_pool"])
+@pytest.fixture(params=[True, False], ids=["functional_pool", "bookkeeping_alone"])
 def manager(request) -> BlockManager:
-    return BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True, numpy_pool=request.param)
+    return BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True, functional_pool=request.param)
 
 
 def refs(manager: BlockManager) -> dict[int, int]:
-    """block -> reference count, for the referenced blocks; checks the free count agrees."""
-    counts = np.asarray(manager.pool.refcounts)
+    """block -> reference count, for the referenced blocks; checks the free count agrees, and the pool
+    of record, the log committed to it, with the host."""
+    counts = manager.refcounts
+    if manager.pool is not None:
+        manager.commit()
+        manager.check()
+        np.testing.assert_array_equal(np.asarray(manager.pool.refcounts), counts)
+        assert int(manager.pool.num_free) == manager.num_free
     assert manager.num_free == NUM_BLOCKS - 1 - np.count_nonzero(counts)
-    np.testing.assert_array_equal(counts, manager.refcounts)
     return {int(b): int(counts[b]) for b in np.flatnonzero(counts)}
 
 
@@ -149,7 +155,7 @@ def test_a_shared_cached_block_is_never_evicted(manager):
 
 
 def test_without_prefix_caching_nothing_is_named_or_matched():
-    manager = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=False, numpy_pool=True)
+    manager = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=False, functional_pool=False)
     blocks = manager.allocate(2)
     assert manager.cache_full_blocks(list(range(8)), blocks, 0, 8) == 0
     assert manager.match_prefix(list(range(9))) == [] and refs(manager) == {b: 1 for b in blocks}

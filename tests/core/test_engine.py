@@ -194,8 +194,8 @@ def test_beam_search_matches_transformers(tiny, prompts):
 
 FAULTS = {
     "scheduling": (lambda engine: engine.scheduler, "schedule", fail_on_host),
-    "host": (lambda engine: engine.runner, "execute", fail_on_host),
-    "xla": (lambda engine: engine.runner, "execute", lambda runner, *args: fail_in_xla(runner.kv_cache)),
+    "host": (lambda engine: engine.runner, "dispatch", fail_on_host),
+    "xla": (lambda engine: engine.runner, "dispatch", lambda runner, *args: fail_in_xla(runner.kv_cache)),
 }
 
 
@@ -239,7 +239,7 @@ def test_a_fault_that_takes_the_kv_cache_sends_the_running_requests_outside_the_
     forking = engine.add_request(prompts[1][:2], SamplingParams(n=4, seed=0, max_tokens=4, ignore_eos=True))
     bystander = engine.add_request(prompts[0], GREEDY)
     engine.step()
-    monkeypatch.setattr(engine.runner, "execute", lambda *args: fail_in_xla(engine.runner.kv_cache))
+    monkeypatch.setattr(engine.runner, "dispatch", lambda *args: fail_in_xla(engine.runner.kv_cache))
     failed = engine.step()
     monkeypatch.undo()
     assert [o.request_id for o in failed] == [forking]

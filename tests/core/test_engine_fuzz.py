@@ -3,7 +3,8 @@
 Rules add requests (prompts that often share a prefix; greedy, sampled, n samples, beam search, stop
 strings and stop ids, penalties, logprobs, min_tokens), add requests the engine must refuse, abort
 requests, step, and inject a fault into a step. The pool holds two long sequences at most, so
-preemption is routine in both modes.
+preemption is routine in both modes, and half the examples run a step ahead (async scheduling), so
+aborts, preemptions, stops and faults meet a step in flight.
 
 After every step: the pool's reference counts are exactly the references that live sequences and the
 prefix cache hold, every unfinished request still has a sequence queued or running, and a finished
@@ -92,14 +93,17 @@ class EngineMachine(RuleBasedStateMachine):
 
     # Every example opens with a workload: left to rules alone, most examples would add nothing.
     @initialize(mode=st.sampled_from(["recompute", "swap"]), prefix_caching=st.booleans(),
+                async_scheduling=st.booleans(),
                 requests=st.lists(st.tuples(PROMPTS, sampling_params()), min_size=1, max_size=8))
-    def start(self, mode, prefix_caching, requests):
+    def start(self, mode, prefix_caching, async_scheduling, requests):
         config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
                               max_num_seqs=8, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                              preemption_mode=mode, enable_prefix_caching=prefix_caching)
+                              preemption_mode=mode, enable_prefix_caching=prefix_caching,
+                              async_scheduling=async_scheduling)
         self.engine = LLMEngine(self.loaded.model, self.loaded.config, self.tokenizer, config)
         self.mode = mode
         self.seen[f"examples in {mode} mode"] += 1
+        self.seen[f"examples with async scheduling {'on' if async_scheduling else 'off'}"] += 1
         for prompt, params in requests:
             self.add(prompt, params)
 
@@ -141,12 +145,15 @@ class EngineMachine(RuleBasedStateMachine):
         with an error, their blocks freed, and the others go on."""
         runner = self.engine.runner
         # An instance attribute, over the method, for this one step.
-        runner.execute = (lambda *args: fail_in_xla(runner.kv_cache)) if in_xla else fail_on_host
+        runner.dispatch = (lambda *args: fail_in_xla(runner.kv_cache)) if in_xla else fail_on_host
         try:
             outputs = self.engine.step()
         finally:
-            del runner.execute
+            del runner.dispatch
         for output in outputs:
+            if output.error is None:  # a step read before the fault (a beam's, whose siblings' proposals it needs)
+                self._take(output)
+                continue
             assert output.finished and "injected fault" in output.error
             assert {c.finish_reason for c in output.outputs} == {"error"}
             del self.live[output.request_id]
@@ -156,23 +163,27 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _step(self):
         for output in self.engine.step():
-            params = self.live[output.request_id]  # never an unknown, aborted or already finished request
-            assert output.finished or params.output_kind is not FINAL_ONLY
-            if params.output_kind is DELTA:
-                if output.request_id in self.deltas:
-                    self.deltas[output.request_id].add(output)
-                output = self.deltas.setdefault(output.request_id, output)
-            if output.finished:
-                self._check_finished(output, params)
-                if params.temperature == 0 and params.n == 1 and output.outputs[0].token_ids:
-                    self.greedy_done.append((output.prompt_token_ids, list(output.outputs[0].token_ids)))
-                del self.live[output.request_id]
-                kind = "beam search" if params.use_beam_search else "n > 1" if params.n > 1 else "n = 1"
-                self.seen[f"{kind} finished"] += 1
-                self.seen[f"{params.output_kind.name} output finished"] += 1
-                self.seen[f"{kind} finished after a preemption"] += output.metrics.num_preemptions > 0
-                self.seen.update(f"{c.finish_reason} {type(c.stop_reason).__name__}" for c in output.outputs)
+            self._take(output)
         self.references_match_holders()
+
+    def _take(self, output: RequestOutput):
+        """Check an output and fold it into what the machine knows."""
+        params = self.live[output.request_id]  # never an unknown, aborted or already finished request
+        assert output.finished or params.output_kind is not FINAL_ONLY
+        if params.output_kind is DELTA:
+            if output.request_id in self.deltas:
+                self.deltas[output.request_id].add(output)
+            output = self.deltas.setdefault(output.request_id, output)
+        if output.finished:
+            self._check_finished(output, params)
+            if params.temperature == 0 and params.n == 1 and output.outputs[0].token_ids:
+                self.greedy_done.append((output.prompt_token_ids, list(output.outputs[0].token_ids)))
+            del self.live[output.request_id]
+            kind = "beam search" if params.use_beam_search else "n > 1" if params.n > 1 else "n = 1"
+            self.seen[f"{kind} finished"] += 1
+            self.seen[f"{params.output_kind.name} output finished"] += 1
+            self.seen[f"{kind} finished after a preemption"] += output.metrics.num_preemptions > 0
+            self.seen.update(f"{c.finish_reason} {type(c.stop_reason).__name__}" for c in output.outputs)
 
     def _check_finished(self, output, params: SamplingParams):
         """Whole outputs (DELTA ones folded together) hold the n completions, each within its limits
@@ -203,6 +214,8 @@ class EngineMachine(RuleBasedStateMachine):
         held = collections.Counter(b for s in live for b in s.block_ids)
         if blocks.cache is not None:
             held.update(blocks.cache.cached_ids())
+        blocks.commit()  # the pool of record follows the host's bookkeeping at each step's commit
+        blocks.check()
         refcounts = np.asarray(blocks.pool.refcounts)
         assert held == collections.Counter({b: int(c) for b, c in enumerate(refcounts) if c})
         assert int(blocks.pool.num_free) == np.count_nonzero(refcounts[1:] == 0)
@@ -244,5 +257,5 @@ def test_engine_survives_a_random_client(tiny_with_tokenizer):
     for what in ("preemptions by recompute", "preemptions by swap", "n > 1 finished after a preemption",
                  "beam search finished after a preemption", "stop str", "stop int",
                  "requests ended by a fault on the host", "requests ended by a fault in XLA",
-                 "DELTA output finished", "FINAL_ONLY output finished"):
+                 "DELTA output finished", "FINAL_ONLY output finished", "examples with async scheduling on"):
         assert seen[what] > 0, f"the run never saw {what}: {dict(seen)}"

@@ -42,7 +42,7 @@ def engine_at(model_and_tokenizer, kind: RequestOutputKind, num_output_tokens: i
         top_ids = np.tile(np.arange(20, dtype=np.int32), (rows, 1))
         return SamplerOutput(tokens, np.full(rows, -0.5, np.float32), np.full((rows, 20), -1.0, np.float32), top_ids)
 
-    engine.runner.execute = execute
+    engine.runner.dispatch = execute
     params = SamplingParams(temperature=0.0, max_tokens=LONG + 2 * REPEATS, ignore_eos=True, logprobs=2,
                             stop=["never in this text", "zebra crossing"], output_kind=kind)
     engine.add_request([5, 6, 7], params)

@@ -76,7 +76,7 @@ class Harness:
 
 def harness(num_blocks: int = 64, max_tokens: int = 4, **options) -> Harness:
     config = EngineConfig(**options)
-    blocks = BlockManager(num_blocks, BS, config.enable_prefix_caching, numpy_pool=True)
+    blocks = BlockManager(num_blocks, BS, config.enable_prefix_caching, functional_pool=False)
     return Harness(Scheduler(config, blocks, swapper=FakeSwapper()), max_tokens)
 
 

@@ -42,7 +42,7 @@ def decodes(out: SchedulerOutput) -> int:
 
 def scheduler_for(**options) -> Scheduler:
     config = EngineConfig(**dict(block_size=16, max_num_batched_tokens=512) | options)
-    return Scheduler(config, BlockManager(4096, 16, enable_prefix_caching=False, numpy_pool=True))
+    return Scheduler(config, BlockManager(4096, 16, enable_prefix_caching=False, functional_pool=False))
 
 
 def decoding(num_seqs: int, **options) -> Scheduler:
@@ -209,7 +209,7 @@ def test_fit_bucket(before, num_new, after, then, fitted):
 
 def fitted_scheduler(**options) -> Scheduler:
     config = EngineConfig(**dict(block_size=16, max_num_batched_tokens=512) | options)
-    return Scheduler(config, BlockManager(4096, 16, enable_prefix_caching=False, numpy_pool=True), token_buckets=FINE)
+    return Scheduler(config, BlockManager(4096, 16, enable_prefix_caching=False, functional_pool=False), token_buckets=FINE)
 
 
 def test_a_lone_prompt_fills_the_bucket_below_and_finishes_in_the_next_step():

@@ -1,4 +1,4 @@
-"""replay.py: the NumPy block pool gives a replay exactly the jitted pool's decisions."""
+"""replay.py: replaying each step on the pool of record (as the engine does) changes no decision of a replay."""
 
 import dataclasses
 
@@ -33,9 +33,11 @@ def requests() -> list[Request]:
      True, True),
     (dict(max_num_seqs=4, max_num_batched_tokens=16), 64, False, True),  # room to spare: the cache keeps blocks
 ])
-def test_the_numpy_pool_replays_exactly_as_the_jitted_pool(options, num_blocks, preempts, hits):
+def test_the_pool_of_record_follows_the_bookkeeping_through_a_replay(options, num_blocks, preempts, hits):
+    """Each step replayed on the functional pool (one jitted call a step, which checks the blocks the
+    host handed out against the pool's queue) changes no decision, and ends all free."""
     config = EngineConfig(block_size=BLOCK, **options)
-    jitted = replay(config, num_blocks, requests(), COST, numpy_pool=False)
+    jitted = replay(config, num_blocks, requests(), COST, functional_pool=True)
     host = replay(config, num_blocks, requests(), COST)
     for field in dataclasses.fields(jitted):
         np.testing.assert_array_equal(getattr(host, field.name), getattr(jitted, field.name), err_msg=field.name)

@@ -1,0 +1,195 @@
+"""How much of a decode step is the host's, measured without a GPU.
+
+    python scripts/bench_overlap.py                       # stand-in device, D = 5 and 0 ms, 64 and 256 sequences
+    python scripts/bench_overlap.py --device-ms 5 --seqs 64 --async-scheduling off
+    python scripts/bench_overlap.py --model               # the tiny random Llama itself, not a stand-in
+
+The real engine (the public LLMEngine: scheduler, block manager over a GPU-sized pool of 131,073
+blocks of 16, batch building, sampler, outputs, the SmolLM2 tokenizer's incremental detokenizer) on a
+2-layer random Llama (hidden 64, vocabulary 8,192), decoding. With a stand-in (the default) the
+model call is replaced by one that holds the "device" for D milliseconds without using the host's CPU
+(a host callback that sleeps), so what the step costs beyond D is the host's. Per step it reports:
+
+- wall: the step's wall time in steady decode (every sequence running, none finishing);
+- host path: from one model call's end to the next one's dispatch, when positive: the time the
+  device waits for the host (0 when the next step was dispatched before this one ended);
+- idle: the device's idle share of the wall time (1 - busy / wall).
+
+The sampler is stood in for too (its host inputs are still built, packed and sent, and unpacked on
+the device), by a token read off the hidden state: the real lm_head and sampler over 256 rows of
+8,192 logits take milliseconds of this CPU's own compute, which a GPU does in microseconds.
+
+With --model the tiny model itself runs (its step is the CPU's real work), and only wall is reported.
+"""
+
+import argparse
+import ctypes
+import dataclasses
+import functools
+import pathlib
+import statistics
+import subprocess
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.loader import load_tokenizer
+from models.tiny import TINY_LLAMA, random_model
+from paged_jax import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
+from paged_jax.core import model_runner, packing, warmup
+from paged_jax.core.sampling import SamplerOutput
+from paged_jax.core.sampling_params import MAX_LOGPROBS
+
+NUM_BLOCKS = 131_073  # a GPU's pool at gpu_memory_utilization 0.9 (docs/gpu.md)
+MODEL = dataclasses.replace(TINY_LLAMA, vocab_size=8192, max_position_embeddings=4096)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device-ms", default="5,0", help="the stand-in's time per model call, comma-separated")
+    p.add_argument("--seqs", default="64,256", help="running sequences, comma-separated")
+    p.add_argument("--steps", type=int, default=60, help="decode steps timed")
+    p.add_argument("--async-scheduling", default="on,off", help="on, off, or both (on,off) side by side")
+    p.add_argument("--model", action="store_true", help="run the tiny model itself, no stand-in")
+    return p.parse_args(argv)
+
+
+@functools.cache
+def _stand_in_library() -> ctypes.CDLL:
+    """stand_in_device.cc, built once a process and registered as the FFI target "stand_in_hold"."""
+    folder = pathlib.Path(tempfile.mkdtemp())
+    subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{jax.ffi.include_dir()}",
+                    str(pathlib.Path(__file__).with_name("stand_in_device.cc")), "-o", str(folder / "stand_in.so")],
+                   check=True)
+    library = ctypes.cdll.LoadLibrary(str(folder / "stand_in.so"))
+    jax.ffi.register_ffi_target("stand_in_hold", jax.ffi.pycapsule(library.StandInHold), platform="cpu")
+    library.StandInSpans.restype = ctypes.c_int64
+    return library
+
+
+class StandIn:
+    """Replaces model_runner.step: holds an XLA thread for `seconds` without using the CPU (an FFI call
+    that sleeps, stand_in_device.cc, which needs no GIL), and records when each call was dispatched,
+    started and ended. `sample_step` stands in for model_runner.sample_step.
+
+    Each stand-in also does ~10^5 flops of real work: XLA's CPU client runs a program it deems cheap
+    inline, on the calling thread (waiting there for its inputs), and a model step or a sampler over
+    the vocabulary is never cheap; with them they are dispatched as asynchronously as the real ones."""
+
+    def __init__(self, seconds: float):
+        self.library = _stand_in_library()
+        self._first = self.library.StandInSpans(None, 0)  # the calls of stand-ins made before this one
+        self.dispatched: list[float] = []
+
+        @functools.partial(jax.jit, static_argnames=("graph", "layout"), donate_argnames="kv_cache")
+        def call(graph, weights, kv_cache, packed, previous, *, layout):
+            del graph, previous
+            step_input = packing.unpack(packed, layout)
+            hold = jax.ffi.ffi_call("stand_in_hold", jax.ShapeDtypeStruct((1,), jnp.int32))
+            ids = hold(step_input.input_ids[:1], micros=np.int64(seconds * 1e6))[0]
+            work = jnp.sum(jnp.tanh(packed[:1024].astype(jnp.float32)[:, None] * jnp.arange(64.0)))
+            # Hidden states that vary with the step's positions, so the sampled tokens do too.
+            positions = step_input.positions[step_input.logits_indices].astype(jnp.float32)
+            hidden = jnp.sin(positions[:, None] * (1.0 + jnp.arange(MODEL.hidden_size)) + ids + 0 * work)
+            return hidden.astype(weights[0].dtype), kv_cache
+
+        @functools.partial(jax.jit, static_argnames=("graph", "layout"))
+        def sample_step(graph, weights, hidden, packed, previous, *, layout):
+            del graph, weights, previous
+            rows = packing.unpack(packed, layout).temperature.shape[0]
+            work = jnp.sum(jnp.tanh(packed[:1024].astype(jnp.float32)[:, None] * jnp.arange(64.0)))
+            tokens = (jnp.abs(hidden[:rows, 0].astype(jnp.float32) + 0 * work) * 1e4).astype(jnp.int32) % MODEL.vocab_size
+            k = min(MAX_LOGPROBS, MODEL.vocab_size)
+            out = SamplerOutput(tokens, jnp.zeros(rows), jnp.zeros((rows, k)), jnp.zeros((rows, k), jnp.int32))
+            return out, jnp.zeros(hidden.shape[0], jnp.int32).at[:rows].set(tokens)
+
+        self._call, self.sample_step = call, sample_step
+
+    def _cache_size(self) -> int:  # counted with the runner's programs (ModelRunner.num_compiles)
+        return self._call._cache_size() + self.sample_step._cache_size()
+
+    def __call__(self, *args, **keywords):
+        self.dispatched.append(time.monotonic())
+        return self._call(*args, layout=keywords["layout"])
+
+    @property
+    def spans(self) -> list[tuple[float, float]]:
+        """(start, end) of each call that ran, time.monotonic's seconds."""
+        count = self.library.StandInSpans(None, 0)
+        times = (ctypes.c_int64 * count)()
+        self.library.StandInSpans(times, count)
+        return [(times[i] / 1e9, times[i + 1] / 1e9) for i in range(self._first, count, 2)]
+
+
+def make_engine(num_seqs: int, async_scheduling: bool | None) -> LLMEngine:
+    options = dict(num_blocks=NUM_BLOCKS, block_size=16, max_num_seqs=num_seqs, max_model_len=2048,
+                   max_num_batched_tokens=max(1024, num_seqs * 8), enable_prefix_caching=True)
+    if async_scheduling is not None:
+        options["async_scheduling"] = async_scheduling
+    return LLMEngine(random_model(MODEL), MODEL, load_tokenizer("smollm2-135m"), EngineConfig(**options))
+
+
+def decode(engine: LLMEngine, num_seqs: int, steps: int) -> list[float]:
+    """Admit num_seqs requests, run until all are decoding, then time `steps` steps: each step's end."""
+    # Streamed as the server streams them (DELTA): each step's new tokens and text.
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    for i in range(num_seqs):
+        engine.add_request([(7 * i + t) % 8000 + 100 for t in range(32)], params)
+    while engine.stats().num_waiting_requests or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    ends = [time.monotonic()]
+    for _ in range(steps):
+        engine.step()
+        ends.append(time.monotonic())
+    for request_id in list(engine._requests):
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ends
+
+
+def measure(num_seqs: int, device_ms: float | None, async_scheduling: bool | None, steps: int) -> dict:
+    originals = model_runner.step, model_runner.sample_step
+    stand_in = StandIn(device_ms / 1000) if device_ms is not None else None
+    if stand_in is not None:
+        model_runner.step, model_runner.sample_step = stand_in, stand_in.sample_step
+    try:
+        engine = make_engine(num_seqs, async_scheduling)
+        warmup.warm_up(engine)
+        ends = decode(engine, num_seqs, steps)
+    finally:
+        model_runner.step, model_runner.sample_step = originals
+    wall = np.diff(ends)
+    row = dict(seqs=num_seqs, device_ms=device_ms, overlap=getattr(engine.resolved, "async_scheduling", False),
+               wall_ms=1e3 * statistics.median(wall))
+    if stand_in is not None:
+        in_window = [(d, s, e) for d, (s, e) in zip(stand_in.dispatched, stand_in.spans) if ends[0] <= s <= ends[-1]]
+        gaps = [max(0.0, d2 - e1) for (_, _, e1), (d2, _, _) in zip(in_window, in_window[1:])]
+        busy = sum(e - s for _, s, e in in_window)
+        row.update(host_path_ms=1e3 * statistics.median(gaps), idle=1 - busy / (ends[-1] - ends[0]),
+                   wall_over_d=statistics.median(wall) / (device_ms / 1e3) if device_ms else None)
+    # Every block back in the pool: the prefix cache holds the rest.
+    assert engine.blocks.num_free + engine.blocks.num_evictable == engine.blocks.num_blocks - 1
+    return row
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    modes = {"on": True, "off": False, "default": None}
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; pool {NUM_BLOCKS} blocks of 16; "
+          f"{'the tiny model itself' if args.model else 'stand-in device'}")
+    for num_seqs in (int(s) for s in args.seqs.split(",")):
+        for device_ms in ([None] if args.model else [float(d) for d in args.device_ms.split(",")]):
+            for mode in args.async_scheduling.split(","):
+                row = measure(num_seqs, device_ms, modes[mode], args.steps)
+                figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+                print(f"async_scheduling={mode}: {figures}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
