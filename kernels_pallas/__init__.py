@@ -98,6 +98,7 @@ def paged_attention(
     backend: str = "auto",
     layout: str = TOKEN_MAJOR,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """q: [num_tokens, num_heads, head_dim]; pages in `layout` (layout.LAYOUTS): token-major
     [num_blocks, block_size, num_kv_heads, head_dim] or head-major [num_blocks, num_kv_heads,
@@ -105,6 +106,8 @@ def paged_attention(
     sliding_window: a static int, or None. A query at position p attends only to keys at positions
     > p - sliding_window (the layer's window, Mistral's and Gemma's sliding layers); every backend
     reads only those keys' pages.
+    soft_cap: a static float, or None: each scaled score s becomes soft_cap * tanh(s / soft_cap) before
+    the softmax (Gemma 2's attention logit soft-capping).
 
     A float32 model may keep a bfloat16 cache (EngineConfig.kv_cache_dtype). The CPU backends
     compute in float32 whatever the pages hold, so they take q as float32 (the C++ kernel always:
@@ -122,7 +125,10 @@ def paged_attention(
     args = (q_in, k_pages, v_pages, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    options = dict(max_query_len=metadata.max_query_len, scale=scale, layout=layout, sliding_window=sliding_window)
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
+    options = dict(max_query_len=metadata.max_query_len, scale=scale, layout=layout, sliding_window=sliding_window,
+                   soft_cap=soft_cap)
     if backend in ("pallas", "pallas_interpret"):
         out = _pallas_kernel.paged_attention(*args, **options, interpret=backend == "pallas_interpret")
     elif backend == "cpu":

@@ -67,6 +67,7 @@ def paged_attention_kernel(
     block_k: int,
     layout: str,
     window: int | None,
+    soft_cap: float | None,
 ):
     del o_zeros_ref  # only there to give o_ref its zeros
     seq, kv_head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -121,7 +122,10 @@ def paged_attention_kernel(
         mask = kv_valid.T & (kv_pos.T <= q_pos)  # [rows, block_k]
         if window is not None:
             mask &= kv_pos.T > q_pos - window
-        s = jnp.where(mask, s * scale, MASK_VALUE)
+        s = s * scale
+        if soft_cap is not None:  # Gemma 2's cap on the scores
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(mask, s, MASK_VALUE)
 
         # Every valid row sees key 0 in the first tile, so from then on m is a real score and
         # exp(MASK_VALUE - m) is exactly 0: masked keys get no weight without a second select.
@@ -152,7 +156,7 @@ def paged_attention_kernel(
 
 def _pallas_call(
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
-    max_query_len, scale, block_q, block_k, num_warps, num_stages, interpret, layout, sliding_window,
+    max_query_len, scale, block_q, block_k, num_warps, num_stages, interpret, layout, sliding_window, soft_cap,
 ):
     num_heads = q.shape[1]
     num_kv_heads = page_dims(k_pages, layout)[2]
@@ -160,7 +164,7 @@ def _pallas_call(
     group_pad = pl.next_power_of_2(group)
     kernel = functools.partial(
         paged_attention_kernel, scale=scale, group=group, group_pad=group_pad, block_q=block_q,
-        block_k=block_k, layout=layout, window=sliding_window,
+        block_k=block_k, layout=layout, window=sliding_window, soft_cap=soft_cap,
     )
     # No BlockSpecs: tiles are ragged (a sequence's tokens start anywhere) and paged, so the kernel
     # computes its own indices into whole arrays. The output starts as zeros (aliased in, so it is
@@ -237,7 +241,7 @@ def _check_blocks(block_q, block_k, group):
 @functools.partial(
     jax.jit,
     static_argnames=("max_query_len", "scale", "block_q", "block_k", "num_warps", "num_stages", "interpret",
-                     "layout", "sliding_window"),
+                     "layout", "sliding_window", "soft_cap"),
 )
 def paged_attention(
     q: jax.Array,
@@ -256,6 +260,7 @@ def paged_attention(
     interpret: bool = False,
     layout: str = TOKEN_MAJOR,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of ragged new tokens over their sequences' paged K/V (Pallas, Triton backend).
 
@@ -276,11 +281,14 @@ def paged_attention(
     interpret: run the kernel body with the Pallas interpreter (any platform, slow).
     layout: of the pages, "token_major" or "head_major" (layout.LAYOUTS).
     sliding_window: a query at position p sees only keys at positions > p - sliding_window; None: all.
+    soft_cap: each scaled score s becomes soft_cap * tanh(s / soft_cap) (Gemma 2); None: as it is.
     returns [num_tokens, num_heads, head_dim] in q's dtype; rows of padding tokens are 0.
     """
     _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len, layout)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
     group = q.shape[1] // page_dims(k_pages, layout)[2]
     block_q = default_block_q(max_query_len, group) if block_q is None else block_q
     _check_blocks(block_q, block_k, group)
@@ -288,5 +296,5 @@ def paged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
         max_query_len=max_query_len, scale=q.shape[2] ** -0.5 if scale is None else scale,
         block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        layout=layout, sliding_window=sliding_window,
+        layout=layout, sliding_window=sliding_window, soft_cap=soft_cap,
     )

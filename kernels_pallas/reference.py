@@ -18,6 +18,7 @@ def paged_attention_reference(
     scale: float | None = None,
     layout: str = TOKEN_MAJOR,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of ragged new tokens over their sequences' paged K/V.
 
@@ -31,6 +32,7 @@ def paged_attention_reference(
     max_query_len: static bound on new tokens per sequence.
     sliding_window: static; a query at position p sees only keys at positions > p - sliding_window
         (None: the whole context).
+    soft_cap: static; each scaled score s becomes soft_cap * tanh(s / soft_cap) (Gemma 2), or None.
     returns [num_tokens, num_heads, head_dim] in q's dtype; rows of padding tokens are 0.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -61,6 +63,8 @@ def paged_attention_reference(
     if sliding_window is not None:
         mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     scores = jnp.einsum("sqhgd,skhd->shgqk", qs, k) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.where(mask[:, None, None], jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)

@@ -19,6 +19,8 @@
 // A sliding window (attribute sliding_window > 0: a query at position p sees keys at positions
 // > p - sliding_window) moves where each work item starts reading: no key, K or V, before the first
 // visible one of the item's earliest query is read, so pages the window has left behind may hold anything.
+// A soft cap (attribute soft_cap > 0, Gemma 2's) bounds each scaled score s to soft_cap * tanh(s / soft_cap)
+// before the softmax.
 
 #include <algorithm>
 #include <atomic>
@@ -113,7 +115,14 @@ struct Shapes {
   int64_t num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, num_seqs, max_blocks;
   int64_t slot_stride, head_stride;  // elements between a page's consecutive slots / KV heads
   int64_t window;  // sliding window, 0 for none
+  float soft_cap;  // 0 for none
 };
+
+// s, a row of n scaled scores, soft-capped where the call asks for it.
+inline void SoftCap(const Shapes& sh, float* s, int n) {
+  if (sh.soft_cap <= 0.0f) return;
+  for (int t = 0; t < n; ++t) s[t] = sh.soft_cap * std::tanh(s[t] / sh.soft_cap);
+}
 
 // The first key position a query at position `pos` sees.
 inline int FirstVisible(const Shapes& sh, int pos) {
@@ -231,6 +240,7 @@ void AttendRows(const Shapes& sh, const float* q, const KV* k_pages, const KV* v
       for (int c = 0; c < n; c += 2 * L) ScoreTile(&qrows[r0 * D], &kt[c], D, st + c);
       for (int r = r0; r < r0 + kTileRows; ++r) {  // the online softmax over the positions row r sees
         float* sr = &s[r * kChunk];
+        SoftCap(sh, sr, n);
         const float seen = (float)std::clamp(limit[r] - c0 + 1, 0, n), first = (float)(from[r] - c0);
         Vec chunk_max = Vec{} + kNoScore;
         for (int t0 = 0; t0 < n; t0 += L) {
@@ -354,13 +364,19 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
         for (int v = 0; v < V; ++v) qv[v] = Load(q_token + r * D + v * L) * scale;
         Vec block_max = Vec{} + kNoScore;
         for (int t0 = 0; t0 < n; t0 += L) {
-          const Vec s = SumLanes([&](int j) {
+          Vec s = SumLanes([&](int j) {
             if (t0 + j >= n || t0 + j < first) return Vec{};
             const KV* row = kb + (t0 + j) * ss;
             Vec dot = qv[0] * Load(row);
             for (int v = 1; v < V; ++v) dot += qv[v] * Load(row + v * L);
             return dot;
           });
+          if (sh.soft_cap > 0.0f) {
+            alignas(64) float lanes[L];
+            paged_jax::Store(lanes, s);
+            SoftCap(sh, lanes, L);
+            s = Load(lanes);
+          }
           const Vec lanes = LanePositions(t0);
           const Vec masked = (lanes < (float)n) & (lanes >= (float)first) ? s : Vec{} + kNoScore;
           paged_jax::Store(p + t0, masked);
@@ -442,16 +458,17 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                           float scale, int64_t block_size, int64_t num_kv_heads,
-                          int64_t slot_stride, int64_t head_stride, int64_t sliding_window,
+                          int64_t slot_stride, int64_t head_stride, int64_t sliding_window, float soft_cap,
                           ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), pd = k_pages.dimensions(), bd = block_tables.dimensions();
   const ffi::DataType page_type = k_pages.element_type();
   if (v_pages.element_type() != page_type || (page_type != ffi::DataType::F32 && page_type != ffi::DataType::BF16) ||
       pd.size() != 4 || v_pages.dimensions().size() != 4 || v_pages.element_count() != k_pages.element_count())
     return ffi::Error::InvalidArgument("paged attention: K and V pages must be 4-d, of one shape, float32 or bfloat16");
-  if (sliding_window < 0) return ffi::Error::InvalidArgument("paged attention: sliding_window must be >= 0");
+  if (sliding_window < 0 || soft_cap < 0.0f)
+    return ffi::Error::InvalidArgument("paged attention: sliding_window and soft_cap must be >= 0");
   const Shapes sh{qd[0], qd[1], qd[2], pd[0], block_size, num_kv_heads, bd[0], bd[1], slot_stride, head_stride,
-                  sliding_window};
+                  sliding_window, soft_cap};
   // Strides that could step outside a block must fail here rather than read outside the buffers.
   if (pd[1] * pd[2] != block_size * num_kv_heads || pd[3] != sh.head_dim || sh.num_heads % num_kv_heads ||
       (num_kv_heads - 1) * head_stride + (block_size - 1) * slot_stride + sh.head_dim > pd[1] * pd[2] * pd[3])
@@ -512,6 +529,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpu, PagedAttention,
                                   .Attr<int64_t>("slot_stride")
                                   .Attr<int64_t>("head_stride")
                                   .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // A buffer XLA allocates and nobody writes. The KV cache is made of these: a large allocation is

@@ -32,6 +32,7 @@ def paged_attention_cpu(
     scale: float | None = None,
     layout: str = TOKEN_MAJOR,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Same contract as paged_attention_reference, computed in float32 over float32 or bfloat16 pages.
 
@@ -44,6 +45,7 @@ def paged_attention_cpu(
     `layout` (layout.py; the kernel is told the layout's strides); block_tables: int32 [num_seqs,
     max_blocks_per_seq]; seq_lens: int32 [num_seqs]; query_start_loc: int32 [num_seqs + 1].
     sliding_window: a query at position p sees keys at positions > p - sliding_window (None: all).
+    soft_cap: each scaled score s becomes soft_cap * tanh(s / soft_cap) (Gemma 2; None: as it is).
     Returns f32 [num_tokens, num_heads, head_dim]. max_query_len is the seam's static bound, unused:
     the kernel reads each row's length at run time.
     """
@@ -57,7 +59,7 @@ def paged_attention_cpu(
             query_start_loc.astype(np.int32))
     call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(*args, scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
-                **layout_attributes(k_pages, layout))
+                soft_cap=np.float32(soft_cap or 0.0), **layout_attributes(k_pages, layout))
 
 
 def write_kv_cpu(k_pages: jax.Array, v_pages: jax.Array, *, slot_mapping: jax.Array, k: jax.Array, v: jax.Array,

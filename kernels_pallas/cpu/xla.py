@@ -67,6 +67,7 @@ def paged_attention_xla(
     prefill_chunk_pages: int = 16,
     layout: str = TOKEN_MAJOR,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of ragged new tokens over their sequences' paged K/V, for XLA on the CPU.
 
@@ -85,6 +86,7 @@ def paged_attention_xla(
     prefill_chunk_pages: pages per online-softmax step of a query tile.
     layout: of the pages, "token_major" or "head_major" (layout.LAYOUTS).
     sliding_window: a query at position p sees only keys at positions > p - sliding_window; None: all.
+    soft_cap: each scaled score s becomes soft_cap * tanh(s / soft_cap) (Gemma 2); None: as it is.
     returns [num_tokens, num_heads, head_dim] in q's dtype; rows of padding tokens are 0.
     """
     _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len, layout)
@@ -96,39 +98,41 @@ def paged_attention_xla(
             raise ValueError(f"{name} must be >= 1, got {knob}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
     return _paged_attention_xla(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
         tiles=max_query_len > 1, scale=q.shape[2] ** -0.5 if scale is None else scale,
         decode_group=min(decode_group, block_tables.shape[0]), decode_chunk_pages=decode_chunk_pages,
         prefill_tile=min(prefill_tile, q.shape[0]), prefill_chunk_pages=prefill_chunk_pages, layout=layout,
-        window=sliding_window,
+        window=sliding_window, soft_cap=soft_cap,
     )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("tiles", "scale", "decode_group", "decode_chunk_pages", "prefill_tile",
-                     "prefill_chunk_pages", "layout", "window"),
+                     "prefill_chunk_pages", "layout", "window", "soft_cap"),
 )
 def _paged_attention_xla(
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, tiles, scale, decode_group,
-    decode_chunk_pages, prefill_tile, prefill_chunk_pages, layout, window,
+    decode_chunk_pages, prefill_tile, prefill_chunk_pages, layout, window, soft_cap,
 ):
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     out = _decode(
         jnp.zeros(q.shape, q.dtype), q, k_pages, v_pages, block_tables, jnp.where(q_lens == 1, seq_lens, 0),
         query_start_loc, scale=scale, group_rows=decode_group, chunk_pages=decode_chunk_pages, layout=layout,
-        window=window,
+        window=window, soft_cap=soft_cap,
     )
     if tiles:  # prefill_tile was bounded by num_tokens in paged_attention_xla
         out = _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                        jnp.where(q_lens > 1, q_lens, 0), scale=scale, tile=prefill_tile,
-                       chunk_pages=prefill_chunk_pages, layout=layout, window=window)
+                       chunk_pages=prefill_chunk_pages, layout=layout, window=window, soft_cap=soft_cap)
     return out
 
 
 def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *, scale, group_rows,
-            chunk_pages, layout, window):
+            chunk_pages, layout, window, soft_cap):
     """Writes the attention of the rows with one new token into `out`.
 
     out, q: [num_tokens, num_heads, head_dim]; block_tables: int32 [rows, max_blocks];
@@ -164,7 +168,7 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
             if window is not None:
                 valid &= pos >= lens[:, None] - window
             k, v = _chunk_kv(k_pages, v_pages, pages, valid, i * chunk < lens[0], layout)
-            s = jnp.einsum("bhcd,bhgd->bhgc", k, qg)
+            s = _capped(jnp.einsum("bhcd,bhgd->bhgc", k, qg), soft_cap)
             return _online_softmax_step(carry, s, valid[:, None, None], v, "bhgc,bhcd->bhgd")
 
         carry = _online_softmax_init((group_rows, kv_heads, group), head_dim)
@@ -183,7 +187,7 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
 
 
 def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, q_lens, *, scale, tile,
-             chunk_pages, layout, window):
+             chunk_pages, layout, window, soft_cap):
     """Writes the attention of the rows with several new tokens into `out`, a tile of `tile` at a time.
 
     out, q: [num_tokens, num_heads, head_dim] with num_tokens >= tile; block_tables: int32
@@ -222,7 +226,7 @@ def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
             kv_pos = i * chunk + jnp.arange(chunk)
             k, v = _chunk_kv(k_pages, v_pages, pages, (kv_pos < seq_len) & (kv_pos >= kv_start), i * chunk < kv_end,
                              layout)
-            s = jnp.einsum("hmd,hkd->hmk", qt, k)
+            s = _capped(jnp.einsum("hmd,hkd->hmk", qt, k), soft_cap)
             seen = kv_pos <= q_pos[:, None]
             if window is not None:
                 seen &= kv_pos > q_pos[:, None] - window
@@ -236,6 +240,11 @@ def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
         return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None, None], result, old), start, 0)
 
     return lax.fori_loop(0, tiles_end[-1], attend_tile, out)
+
+
+def _capped(s, soft_cap):
+    """Scaled scores s, soft-capped to soft_cap * tanh(s / soft_cap) where soft_cap is set."""
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
 def _online_softmax_init(rows_shape, head_dim):

@@ -28,6 +28,7 @@ class Case:
     knobs: tuple[tuple[str, int], ...] = ()  # kernel tuning keywords
     layout: str = layout.TOKEN_MAJOR  # of the pages (layout.LAYOUTS)
     sliding_window: int | None = None  # a query at position p sees keys at positions > p - sliding_window
+    soft_cap: float | None = None  # scores s become soft_cap * tanh(s / soft_cap) (Gemma 2)
 
     @property
     def max_query_len(self) -> int:
@@ -113,6 +114,8 @@ def dense_attention(case: Case, batch: Batch) -> np.ndarray:
         v = np.repeat(v.astype(np.float64), group, axis=1)
         qs = q[start : start + q_len]  # [q_len, heads, dim]
         scores = np.einsum("qhd,khd->hqk", qs, k) / np.sqrt(case.head_dim)
+        if case.soft_cap is not None:
+            scores = case.soft_cap * np.tanh(scores / case.soft_cap)
         q_pos = (n - q_len + np.arange(q_len))[:, None]
         causal = np.arange(n)[None, :] <= q_pos  # [q_len, n]
         if case.sliding_window is not None:
@@ -133,9 +136,10 @@ def case_id(case: Case) -> str:
     kind = "decode" if case.max_query_len == 1 else "prefill"
     knobs = "".join(f"-{k}{v}" for k, v in case.knobs)
     window = "" if case.sliding_window is None else f"-window{case.sliding_window}"
+    cap = "" if case.soft_cap is None else f"-cap{case.soft_cap:g}"
     return (
         f"{kind}-h{case.num_heads}kv{case.num_kv_heads}-d{case.head_dim}-bs{case.block_size}"
-        f"-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}{window}"
+        f"-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}{window}{cap}"
     )
 
 
@@ -179,6 +183,11 @@ CASES += [
     Case(**PREFILL, num_heads=8, num_kv_heads=2, head_dim=128, block_size=32, sliding_window=12,
          dtype=jnp.bfloat16, layout=layout.HEAD_MAJOR),
 ]
+# Gemma 2's scores soft-capped (a cap of 2 bends most of them), with and without a window.
+CASES += [
+    Case(**DECODE, num_heads=8, num_kv_heads=4, head_dim=256, block_size=16, soft_cap=2.0),
+    Case(**PREFILL, num_heads=8, num_kv_heads=2, head_dim=128, block_size=16, sliding_window=9, soft_cap=2.0),
+]
 
 
 def check_kernel(case: Case, *, interpret: bool, seed: int = 0) -> tuple[float, list[str]]:
@@ -188,9 +197,9 @@ def check_kernel(case: Case, *, interpret: bool, seed: int = 0) -> tuple[float, 
     batch = make_batch(case, seed)
     dense = dense_attention(case, batch)
     out = paged_attention(*batch.args, max_query_len=case.max_query_len, interpret=interpret, layout=case.layout,
-                          sliding_window=case.sliding_window, **dict(case.knobs))
+                          sliding_window=case.sliding_window, soft_cap=case.soft_cap, **dict(case.knobs))
     ref = paged_attention_reference(*batch.args, max_query_len=case.max_query_len, layout=case.layout,
-                                    sliding_window=case.sliding_window)
+                                    sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     tol = TOLERANCE[case.dtype]
     err = rel_err(out, dense)
     checks = {

@@ -31,15 +31,18 @@ def _bf16_pages(inputs):
 
 def _check(kernel, inputs, case: Case):
     rounded, widened = _bf16_pages(inputs)
-    out = kernel(*rounded, max_query_len=case.max_query_len, layout=case.layout)
-    exact = paged_attention_reference(*widened, max_query_len=case.max_query_len, layout=case.layout)
-    unrounded = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=case.layout)
+    # The case's window (blocks behind it are poisoned) and soft cap, for every side.
+    options = dict(max_query_len=case.max_query_len, layout=case.layout, sliding_window=case.sliding_window,
+                   soft_cap=case.soft_cap)
+    out = kernel(*rounded, **options)
+    exact = paged_attention_reference(*widened, **options)
+    unrounded = paged_attention_reference(*inputs, **options)
     assert out.dtype == jnp.float32 and not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
     assert rel_err(out, exact) < TOLERANCE[jnp.float32]  # widening loses nothing
     assert rel_err(out, unrounded) < TOLERANCE[jnp.bfloat16]  # only the pages' rounding does
 
 
-_cpu = jax.jit(cpu_kernel.paged_attention_cpu, static_argnames=("max_query_len", "layout"))
+_cpu = jax.jit(cpu_kernel.paged_attention_cpu, static_argnames=("max_query_len", "layout", "sliding_window", "soft_cap"))
 # (group, head_dim, block_size): the decode loop of groups 1, 3 (SmolLM2), 8, over blocks of 8 to 256
 # (256 beyond its bound, as 5 heads a group is: both go through the tiles); test_cpu_kernel.py's
 # multi-token shapes, whose head_dim of 40 or 12 leaves a tail read a value at a time.
@@ -63,7 +66,8 @@ def test_cpu_kernel_over_bf16_pages_of_every_shape(group, head_dim, block_size, 
 
 @pytest.mark.parametrize("case", [c for c in FLOAT32_CASES if not c.knobs][:4], ids=case_id)
 def test_xla_path_over_bf16_pages_keeps_a_float32_q(case):
-    _check(jax.jit(paged_attention_xla, static_argnames=("max_query_len", "layout")), make_inputs(case), case)
+    _check(jax.jit(paged_attention_xla, static_argnames=("max_query_len", "layout", "sliding_window", "soft_cap")),
+           make_inputs(case), case)
 
 
 def test_the_seam_takes_the_kernel_for_float32_compute_over_bf16_pages():

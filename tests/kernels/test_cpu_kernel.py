@@ -26,10 +26,12 @@ def test_builds_on_this_machine():
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=case_id)
 def test_matches_reference(case):
     inputs = make_inputs(case)
-    kernel = jax.jit(cpu_kernel.paged_attention_cpu, static_argnames=("max_query_len", "layout", "sliding_window"))
-    out = kernel(*inputs, max_query_len=case.max_query_len, layout=case.layout, sliding_window=case.sliding_window)
+    kernel = jax.jit(cpu_kernel.paged_attention_cpu,
+                     static_argnames=("max_query_len", "layout", "sliding_window", "soft_cap"))
+    out = kernel(*inputs, max_query_len=case.max_query_len, layout=case.layout, sliding_window=case.sliding_window,
+                 soft_cap=case.soft_cap)
     ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=case.layout,
-                                    sliding_window=case.sliding_window)
+                                    sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
     assert not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
     assert rel_err(out, ref) < TOLERANCE[jnp.float32]
@@ -104,6 +106,7 @@ def _call_kernel(inputs, kv_layout, **attributes):
     """The kernel's FFI call, with `attributes` replacing the ones the layout gives."""
     call = jax.ffi.ffi_call(library.ATTENTION, jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype))
     return call(*inputs, scale=np.float32(inputs[0].shape[-1] ** -0.5), sliding_window=np.int64(0),
+                soft_cap=np.float32(0.0),
                 **cpu_kernel.layout_attributes(inputs[1], kv_layout) | attributes)
 
 
@@ -126,19 +129,22 @@ def test_multi_token_rows_of_every_shape(group, head_dim, block_size, kv_layout)
     assert rel_err(out, ref) < TOLERANCE[jnp.float32]
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 64, 200])
+@pytest.mark.parametrize("window,soft_cap", [(1, None), (5, None), (16, None), (64, None), (200, None), (None, 2.0),
+                                             (16, 2.0)])
 @pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
 @pytest.mark.parametrize("head_dim,block_size", [(256, 16), (64, 8), (40, 16)])
-def test_sliding_windows_on_every_path(window, kv_layout, head_dim, block_size):
+def test_sliding_windows_and_soft_caps_on_every_path(window, soft_cap, kv_layout, head_dim, block_size):
     """Decode rows (AttendDecode; AttendRows for head_dim 40) and query tiles (AttendRows), windows of
-    one key, inside a page, of a whole key chunk, and past the context; blocks behind them poisoned."""
+    one key, inside a page, of a whole key chunk, and past the context, blocks behind them poisoned;
+    Gemma 2's soft-capped scores (a cap of 2 bends most of them)."""
     case = Case(q_lens=(1, 1, 37, 0, 130, 1, 65), seq_lens=(300, 3, 37, 0, 300, 64, 129), num_heads=4,
-                num_kv_heads=2, head_dim=head_dim, block_size=block_size, layout=kv_layout, sliding_window=window)
-    inputs = make_inputs(case, seed=window)
+                num_kv_heads=2, head_dim=head_dim, block_size=block_size, layout=kv_layout, sliding_window=window,
+                soft_cap=soft_cap)
+    inputs = make_inputs(case, seed=window or 0)
     out = cpu_kernel.paged_attention_cpu(*inputs, max_query_len=case.max_query_len, layout=kv_layout,
-                                         sliding_window=window)
+                                         sliding_window=window, soft_cap=soft_cap)
     ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=kv_layout,
-                                    sliding_window=window)
+                                    sliding_window=window, soft_cap=soft_cap)
     assert not jnp.isnan(out).any(), "a NaN from a slot behind the window reached the output"
     assert rel_err(out, ref) < TOLERANCE[jnp.float32]
 

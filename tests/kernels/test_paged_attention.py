@@ -117,14 +117,16 @@ def test_lowers_to_triton_for_cuda(shape, max_query_len, dtype, kv_layout):
 
 @pytest.mark.parametrize("max_query_len", [1, 64])
 @pytest.mark.parametrize("shape", [(8, 4, 256), (9, 3, 64)], ids=lambda s: "h{}kv{}-d{}".format(*s))
-def test_sliding_window_lowers_to_triton_for_cuda(shape, max_query_len):
-    """Gemma 3's sliding layers: head_dim 256 and a window, through the Triton lowering."""
+@pytest.mark.parametrize("soft_cap", [None, 50.0])
+def test_sliding_window_lowers_to_triton_for_cuda(shape, max_query_len, soft_cap):
+    """Gemma's sliding layers: head_dim 256 and a window (and Gemma 2's capped scores), through the
+    Triton lowering."""
     num_heads, num_kv_heads, head_dim = shape
     pages = jax.ShapeDtypeStruct(layout.page_shape(32, 16, num_kv_heads, head_dim), jnp.bfloat16)
     args = (jax.ShapeDtypeStruct((4 * max_query_len, num_heads, head_dim), jnp.bfloat16), pages, pages,
             jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32),
             jax.ShapeDtypeStruct((5,), jnp.int32))
-    f = jax.jit(lambda *a: paged_attention(*a, max_query_len=max_query_len, sliding_window=16))
+    f = jax.jit(lambda *a: paged_attention(*a, max_query_len=max_query_len, sliding_window=16, soft_cap=soft_cap))
     assert "__gpu$xla.gpu.triton" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -143,6 +145,7 @@ def test_sliding_window_lowers_to_triton_for_cuda(shape, max_query_len):
         (dict(max_query_len=0), "max_query_len must be >= 1"),
         (dict(layout="block_major"), "kv_layout must be one of"),
         (dict(sliding_window=0), "sliding_window must be >= 1"),
+        (dict(soft_cap=0.0), "soft_cap must be positive"),
     ],
 )
 def test_rejects_bad_arguments(change, message):

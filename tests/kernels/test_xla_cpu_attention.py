@@ -31,6 +31,7 @@ class Case:
     knobs: tuple[tuple[str, int], ...] = ()  # tuning keywords of paged_attention_xla
     layout: str = layout.TOKEN_MAJOR  # of the pages (layout.LAYOUTS)
     sliding_window: int | None = None  # a query at position p sees keys at positions > p - sliding_window
+    soft_cap: float | None = None  # scores s become soft_cap * tanh(s / soft_cap) (Gemma 2)
 
     @property
     def max_query_len(self) -> int:
@@ -82,9 +83,10 @@ def rel_err(x, expected) -> float:
 def case_id(case: Case) -> str:
     knobs = "".join(f"-{k}{v}" for k, v in case.knobs)
     window = "" if case.sliding_window is None else f"-window{case.sliding_window}"
+    cap = "" if case.soft_cap is None else f"-cap{case.soft_cap:g}"
     return (
         f"q{max(case.q_lens)}-h{case.num_heads}kv{case.num_kv_heads}-d{case.head_dim}"
-        f"-bs{case.block_size}-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}{window}"
+        f"-bs{case.block_size}-{jnp.dtype(case.dtype).name}{knobs}-{case.layout}{window}{cap}"
     )
 
 
@@ -133,6 +135,9 @@ CASES += [
     Case(**RAGGED, num_heads=8, num_kv_heads=2, head_dim=256, block_size=8, dtype=jnp.bfloat16, sliding_window=12,
          layout=layout.HEAD_MAJOR),
     Case(q_lens=(1, 1, 64, 1), seq_lens=(300, 5, 200, 129), head_dim=256, block_size=32, sliding_window=100),
+    # Gemma 2's soft-capped scores (a cap of 2 bends most of them), alone and with a window.
+    Case(**MIXED, soft_cap=2.0),
+    Case(**RAGGED, num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=7, soft_cap=2.0),
 ]
 
 
@@ -141,9 +146,9 @@ def test_matches_reference(case):
     inputs = make_inputs(case)
     assert jnp.isnan(inputs[1]).any() and jnp.isnan(inputs[2]).any(), "unwritten slots must be poisoned"
     out = paged_attention_xla(*inputs, max_query_len=case.max_query_len, layout=case.layout,
-                              sliding_window=case.sliding_window, **dict(case.knobs))
+                              sliding_window=case.sliding_window, soft_cap=case.soft_cap, **dict(case.knobs))
     ref = paged_attention_reference(*inputs, max_query_len=case.max_query_len, layout=case.layout,
-                                    sliding_window=case.sliding_window)
+                                    sliding_window=case.sliding_window, soft_cap=case.soft_cap)
 
     assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
     assert not jnp.isnan(out).any(), "a NaN from an unwritten page slot reached the output"
