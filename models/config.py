@@ -26,10 +26,13 @@ def _with_traits(architecture: str, source: str, stated: dict[str, Any]) -> dict
     return traits | {key: value for key, value in stated.items() if value is not None or key not in traits}
 
 
-# Sliding layers in a GGUF file: llama.cpp fixes the pattern in its code, not in the file (every sixth
-# layer full, for Gemma 3), unless the file has {arch}.attention.sliding_window_pattern (that period, or
-# a flag per layer, true where it slides).
-_GGUF_SLIDING_PATTERN = {"gemma3": 6}
+# Sliding layers where a file does not list them: every second layer full in Gemma 2, every sixth in
+# Gemma 3 (llama.cpp fixes these in its code, not in the file, unless a GGUF has
+# {arch}.attention.sliding_window_pattern: that period, or a flag per layer, true where it slides).
+_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+# Gemma's GGUF files hold no query_pre_attn_scalar: llama.cpp takes head_dim, but hidden / heads for the
+# 27B models (by their layer counts), as their config.json says.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,6 +87,7 @@ class ModelConfig:
     rope_linear_factor: float = 1.0  # rope_type "linear": positions divided by it (Gemma 3 4B and up)
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (Gemma)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2, 3)
+    attn_logit_softcapping: float | None = None  # attention scores s = cap * tanh(s / cap) (Gemma 2)
 
     def __post_init__(self):
         _traits(self.architecture, "ModelConfig")
@@ -106,7 +110,7 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
         if self.rope_linear_factor < 1.0 or (self.rope_linear_factor != 1.0 and self.rope_scaling is not None):
             raise ValueError("rope_linear_factor must be >= 1, and cannot be combined with llama3 rope scaling")
-        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive or None, got {getattr(self, name)}")
 
@@ -143,11 +147,10 @@ class ModelConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"{source}: {flag}=true is not supported")
-        if hf.get("attn_logit_softcapping") is not None:
-            raise ValueError(f"{source}: attention logit soft-capping (attn_logit_softcapping) is not supported")
         layer_types = hf.get("layer_types")
-        if layer_types is None and hf.get("sliding_window_pattern"):  # Gemma 3 configs of transformers 4.x
-            pattern = hf["sliding_window_pattern"]
+        # Gemma 2 and 3 configs of transformers 4.x: a period, or none (Gemma 2's fixed one).
+        pattern = hf.get("sliding_window_pattern") or _SLIDING_PATTERN.get(architecture.removesuffix("_text"))
+        if layer_types is None and pattern:
             layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(hf["num_hidden_layers"])]
         if hf.get("use_sliding_window") and layer_types is None:
             raise ValueError(f"{source}: use_sliding_window=true without layer_types is not supported")
@@ -192,6 +195,7 @@ class ModelConfig:
             rope_local_theta=local.get("rope_theta", hf.get("rope_local_base_freq")),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )))
 
@@ -213,21 +217,19 @@ class ModelConfig:
         scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise ValueError(f"{source}: unsupported rope scaling {scaling!r} in GGUF metadata")
-        if metadata.get(f"{arch}.attn_logit_softcapping") is not None:
-            raise ValueError(f"{source}: attention logit soft-capping (attn_logit_softcapping) is not supported")
         hidden, num_heads = get(f"{arch}.embedding_length"), get(f"{arch}.attention.head_count")
         head_dim = get(f"{arch}.attention.key_length", hidden // num_heads)
         if get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
             raise ValueError(f"{source}: partial rotary embeddings (rope.dimension_count != head_dim) are unsupported")
         num_layers = get(f"{arch}.block_count")
-        pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GGUF_SLIDING_PATTERN.get(arch))
+        pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _SLIDING_PATTERN.get(arch))
         if isinstance(pattern, list):
             layer_types = tuple(SLIDING if sliding else FULL for sliding in pattern)
         else:
             layer_types = () if pattern is None else tuple(SLIDING if (i + 1) % pattern else FULL
                                                            for i in range(num_layers))
         eos = [] if metadata.get("tokenizer.ggml.eos_token_id") is None else [metadata["tokenizer.ggml.eos_token_id"]]
-        if arch == "gemma3" and "<end_of_turn>" in (tokens := metadata.get("tokenizer.ggml.tokens") or []):
+        if arch in _GEMMA_27B_LAYERS and "<end_of_turn>" in (tokens := metadata.get("tokenizer.ggml.tokens") or []):
             eos.append(tokens.index("<end_of_turn>"))  # a chat turn's end, an end of generation to llama.cpp too
         return cls(**_with_traits(arch, source, dict(
             architecture=arch,
@@ -247,8 +249,8 @@ class ModelConfig:
             sliding_window=metadata.get(f"{arch}.attention.sliding_window"),
             rope_local_theta=metadata.get(f"{arch}.rope.freq_base_swa"),
             layer_types=layer_types,
-            # llama.cpp scales Gemma 3's scores by head_dim**-0.5, but the 27B's (62 layers) by
-            # (hidden / heads)**-0.5: its query_pre_attn_scalar, which the file does not hold.
-            query_pre_attn_scalar=(hidden // num_heads if num_layers == 62 else head_dim) if arch == "gemma3" else None,
+            query_pre_attn_scalar=(hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim)
+            if arch in _GEMMA_27B_LAYERS else None,
             final_logit_softcapping=metadata.get(f"{arch}.final_logit_softcapping"),
+            attn_logit_softcapping=metadata.get(f"{arch}.attn_logit_softcapping"),
         )))

@@ -1,4 +1,4 @@
-"""Gemma 3 (text; Gemma3ForCausalLM) over the shared layers: what it changes from Llama.
+"""Gemma 3 (text; Gemma3ForCausalLM), and Gemma 2, over the shared layers: what they change from Llama.
 
 - Norms in Gemma's (1 + w) form (layers.RMSNorm unit_offset), before and after both attention and the
   MLP: x + post_norm(attn(pre_norm(x))), then the same around the MLP.
@@ -8,6 +8,9 @@
   base and scaling (rope.slot picks the frequency set).
 - A GeGLU MLP (config.hidden_act "gelu_pytorch_tanh"), embeddings scaled by sqrt(hidden), tied
   embeddings, and the final logits soft-capped where the config sets final_logit_softcapping.
+
+Gemma 2 is the same stack without q/k norms, every second layer sliding, one rotary base, and its
+attention scores soft-capped too (config.attn_logit_softcapping, which every attention backend applies).
 """
 
 import functools

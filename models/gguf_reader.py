@@ -27,17 +27,16 @@ _HF_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-# Where an architecture names its norms otherwise: Gemma 3's ffn_norm is the MLP's input norm, and its
+# Where an architecture names its norms otherwise: Gemma's ffn_norm is the MLP's input norm, and its
 # attention and MLP outputs have norms of their own.
-_ARCH_NAMES = {
-    "gemma3": _HF_NAMES | {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+_GEMMA_NAMES = _HF_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+_ARCH_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
 # Architectures whose norms are (1 + w): llama.cpp's converter stores 1 + w, Hugging Face's checkpoints w.
-_UNIT_OFFSET_NORMS = {"gemma3"}
+_UNIT_OFFSET_NORMS = {"gemma2", "gemma3"}
 _NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 
 

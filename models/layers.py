@@ -147,7 +147,7 @@ class Attention(nnx.Module):
             with jax.named_scope("attention"):
                 out = kernels_pallas.paged_attention(q, k_pages, v_pages, metadata, scale=c.attention_scale,
                                                      backend=attn_backend, layout=kv_layout,
-                                                     sliding_window=self.window)
+                                                     sliding_window=self.window, soft_cap=c.attn_logit_softcapping)
             return out, k_pages, v_pages
 
         out, k_pages, v_pages = per_kv_head(attend, mesh, kv_layout)(q, k, v, k_pages, v_pages, metadata)

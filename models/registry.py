@@ -37,12 +37,16 @@ def _llama(**traits) -> Architecture:
 _GEMMA3 = Architecture(Gemma3ForCausalLM, gemma3_weights.RULES, llama_weights.ignored,
                        MappingProxyType(dict(qk_norm=True, rope_local_theta=10000.0,
                                                           hidden_act="gelu_pytorch_tanh")))
+# Gemma 2: Gemma 3's layers without q/k norms, one rotary base, its attention scores soft-capped.
+_GEMMA2 = Architecture(Gemma3ForCausalLM, gemma3_weights.RULES, llama_weights.ignored,
+                       MappingProxyType(dict(hidden_act="gelu_pytorch_tanh")))
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": _llama(),
     "mistral": _llama(),
     "qwen2": _llama(qkv_bias=True),  # biases on q/k/v
     "qwen3": _llama(qk_norm=True),  # RMSNorm on each q and k head before the rotation
+    "gemma2": _GEMMA2,
     "gemma3_text": _GEMMA3,  # config.json's model_type for Gemma3ForCausalLM
     "gemma3": _GEMMA3,  # GGUF's general.architecture for the same model
 }

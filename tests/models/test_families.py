@@ -1,7 +1,7 @@
-"""Qwen3, Gemma 3 and Mistral past its window through the engine against transformers: greedy tokens
+"""Qwen3, Gemma 3, Gemma 2 and Mistral past its window through the engine against transformers: greedy tokens
 of tiny random checkpoints (conftest.TINY_ARCHS) with chunked prefill and prefix caching on, on each
-CPU attention backend, and on the Pallas kernel in its interpreter for a small case. Gemma 3's window
-and this Mistral's (8) are shorter than the prompts' shared prefix, so sliding layers drop keys in
+CPU attention backend, and on the Pallas kernel in its interpreter for a small case. The Gemmas'
+windows and this Mistral's (8) are shorter than the prompts' shared prefix, so sliding layers drop keys in
 prefill chunks, from cached blocks, and in decode."""
 
 import numpy as np
@@ -14,7 +14,7 @@ from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 STEPS = 16
 
 
-@pytest.fixture(scope="module", params=("qwen3", "gemma3", "mistral-window8"))
+@pytest.fixture(scope="module", params=("qwen3", "gemma3", "gemma2", "mistral-window8"))
 def family(request, tiny_checkpoint, tmp_path_factory):
     """(our loaded model, the transformers model) for one architecture."""
     if request.param == "mistral-window8":  # every layer slides

@@ -1,14 +1,14 @@
-"""Qwen3 and Gemma 3 from GGUF files written as llama.cpp's converter writes them (its tensor names and
-metadata keys; Gemma's norms stored as 1 + w; Gemma's matmul weights in Q8_0): the loaded config, and greedy
-tokens through the paged cache equal to transformers'. Gemma 3's file is also read by transformers'
-own GGUF loader, an independent reading of the same names and keys."""
+"""Qwen3, Gemma 3 and Gemma 2 from GGUF files written as llama.cpp's converter writes them (its tensor
+names and metadata keys; Gemma's norms stored as 1 + w; Gemma's matmul weights in Q8_0): the loaded
+config, and greedy tokens through the paged cache equal to transformers'. The Gemmas' files are read by
+transformers' own GGUF loader too, an independent reading of the same names and keys."""
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from flax import nnx
-from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
 from conftest import _TINY, hf_greedy
 from models import load_model
@@ -27,6 +27,7 @@ _NAMES = {
                               "pre_feedforward_layernorm": "ffn_norm",
                               "post_feedforward_layernorm": "post_ffw_norm"},
 }
+_NAMES["gemma2"] = _NAMES["gemma3"]
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -54,14 +55,17 @@ def write_gguf(path, hf_model, arch: str, *, q8_0: bool):
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
-    if arch == "gemma3":
+    if arch.startswith("gemma"):
         writer.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
     tied = c.tie_word_embeddings
     for name, tensor in hf_model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
         data = tensor.numpy().astype(np.float32)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1.0
         if q8_0 and data.ndim == 2 and data.shape[1] % 32 == 0:
             writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
@@ -75,22 +79,40 @@ def write_gguf(path, hf_model, arch: str, *, q8_0: bool):
     return path
 
 
+def tiny_gemma(model_class, config):
+    torch.manual_seed(0)
+    hf_model = model_class(config).eval()
+    with torch.no_grad():  # as conftest.make_tiny_model draws them
+        for name, param in hf_model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.15)
+    return hf_model
+
+
+def gemma_gguf(tmp_path_factory, arch: str, hf_model):
+    """hf_model's file, and transformers' reading of that file."""
+    path = write_gguf(tmp_path_factory.mktemp(f"{arch}-gguf") / f"tiny-{arch}.gguf", hf_model, arch, q8_0=True)
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    return path, theirs
+
+
 @pytest.fixture(scope="module")
 def gemma3_gguf(tmp_path_factory):
     """A tiny Gemma 3 as its GGUF files can describe it (llama.cpp's fixed pattern of five sliding layers
     to one full, local base 10,000, the scale head_dim**-0.5, no logit cap), its file, and transformers'
     reading of that file."""
-    torch.manual_seed(0)
     config = Gemma3TextConfig(**_TINY | dict(num_hidden_layers=6), head_dim=256, sliding_window=8)
     assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"] and config.query_pre_attn_scalar == 256
-    hf_model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():  # as conftest.make_tiny_model draws them
-        for name, param in hf_model.named_parameters():
-            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.15)
-    path = write_gguf(tmp_path_factory.mktemp("gemma3-gguf") / "tiny-gemma3.gguf", hf_model, "gemma3", q8_0=True)
-    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                  attn_implementation="eager").eval()
-    return path, theirs
+    return gemma_gguf(tmp_path_factory, "gemma3", tiny_gemma(Gemma3ForCausalLM, config))
+
+
+@pytest.fixture(scope="module")
+def gemma2_gguf(tmp_path_factory):
+    """A tiny Gemma 2 as its GGUF files describe it (every second layer sliding, the scale head_dim**-0.5,
+    its two soft caps in the file; transformers' GGUF reading takes Gemma 2's default caps, 50 and 30)."""
+    config = Gemma2Config(**_TINY | dict(num_hidden_layers=4), head_dim=256, sliding_window=8)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping, config.query_pre_attn_scalar) == (50, 30, 256)
+    return gemma_gguf(tmp_path_factory, "gemma2", tiny_gemma(Gemma2ForCausalLM, config))
 
 
 def _greedy(loaded, prompts):
@@ -112,6 +134,18 @@ def test_gemma3_gguf_matches_transformers_reading_it(gemma3_gguf, tmp_path, monk
     # Loaded again from the converted copy in the cache: the same config, the same tokens.
     again = load_model(path)
     assert again.config == c and _greedy(again, prompts[:1]) == _greedy(loaded, prompts[:1])
+
+
+def test_gemma2_gguf_matches_transformers_reading_it(gemma2_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGED_JAX_CACHE_DIR", str(tmp_path))
+    path, theirs = gemma2_gguf
+    loaded = load_model(path)
+    c = loaded.config
+    assert (c.architecture, c.qk_norm, c.rope_local_theta, c.attention_scale) == ("gemma2", False, None, 256**-0.5)
+    assert [c.window(i) for i in range(4)] == [8, None, 8, None]
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
+    prompts = random_prompts(c, (9, 23, 14))
+    assert _greedy(loaded, prompts) == [hf_greedy(theirs, p, GREEDY_STEPS) for p in prompts]
 
 
 def test_qwen3_gguf_matches_its_checkpoint(tiny_checkpoint, tmp_path, monkeypatch):

@@ -131,6 +131,14 @@ def test_unsupported_rope_type(folder):
         load_model(folder)
 
 
+def test_gemma2_config_of_transformers_4(tiny_checkpoint):
+    """Gemma 2's config.json before transformers 5 lists no layer types: every second layer slides."""
+    hf = json.loads((tiny_checkpoint("gemma2")[0] / "config.json").read_text())
+    del hf["layer_types"]
+    hf["num_hidden_layers"] = 4
+    assert ModelConfig.from_hf_config(hf).layer_types == ("sliding_attention", "full_attention") * 2
+
+
 def test_gemma3_config_of_transformers_4(tiny_checkpoint):
     """Gemma 3's config.json before transformers 5: the layer pattern as a number, the rotary
     parameters flat, the sliding layers' base apart."""
@@ -145,7 +153,6 @@ def test_gemma3_config_of_transformers_4(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(attn_logit_softcapping=50.0), "attention logit soft-capping"),
     (dict(text_config={}), "multimodal"),
     (dict(hidden_activation="relu"), "unsupported hidden_act 'relu'"),
 ])
@@ -205,8 +212,8 @@ def test_config_read_from_config_json(tiny_checkpoint):
     def config(arch):
         return ModelConfig.from_hf_config(json.loads((tiny_checkpoint(arch)[0] / "config.json").read_text()))
 
-    llama3, mistral, qwen2, smollm2, qwen3, gemma3 = map(config, ("llama3", "mistral", "qwen2", "smollm2", "qwen3",
-                                                                  "gemma3"))
+    llama3, mistral, qwen2, smollm2, qwen3, gemma3, gemma2 = map(
+        config, ("llama3", "mistral", "qwen2", "smollm2", "qwen3", "gemma3", "gemma2"))
     assert llama3.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 64) and llama3.rope_theta == 500000.0
     # Mistral's window applies to every layer, so contexts past it are exact too.
     assert (mistral.head_dim, mistral.sliding_window, mistral.max_model_len) == (32, 128, 256)
@@ -218,6 +225,10 @@ def test_config_read_from_config_json(tiny_checkpoint):
     assert (gemma3.rope_theta, gemma3.rope_linear_factor, gemma3.rope_local_theta) == (1e6, 2.0, 1e4)
     assert (gemma3.hidden_act, gemma3.head_dim, gemma3.query_pre_attn_scalar) == ("gelu_pytorch_tanh", 256, 64)
     assert gemma3.attention_scale == 64**-0.5 and gemma3.final_logit_softcapping == 5.0
+    assert gemma3.attn_logit_softcapping is None
+    assert not gemma2.qk_norm and gemma2.rope_local_theta is None and [gemma2.window(i) for i in range(3)] == [8, None, 8]
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping, gemma2.hidden_act) == (
+        2.0, 5.0, "gelu_pytorch_tanh")
     assert smollm2.tie_word_embeddings and not llama3.tie_word_embeddings
     assert (smollm2.num_heads, smollm2.num_kv_heads, smollm2.group_size) == (4, 2, 2)
     assert llama3.eos_token_ids == (2,)
