@@ -14,6 +14,16 @@ TINY_LLAMA = ModelConfig(
     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
 )
 
+# Gemma 3's features in small, for the same uses: q/k norms, a window of 8 on the sliding layers around a
+# full one (each kind with its rotary base), GeGLU, the attention scale, a logit cap; 2 KV heads to split.
+TINY_GEMMA3 = ModelConfig(
+    architecture="gemma3_text", vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+    num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512,
+    tie_word_embeddings=True, sliding_window=8, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+    qk_norm=True, hidden_act="gelu_pytorch_tanh", rope_local_theta=1e4, query_pre_attn_scalar=24,
+    final_logit_softcapping=5.0,
+)
+
 
 def random_model(config: ModelConfig = TINY_LLAMA, *, dtype=jnp.float32, seed: int = 0) -> nnx.Module:
     """A model of config's architecture with every weight random, made on the default device.

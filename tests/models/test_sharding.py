@@ -1,6 +1,12 @@
-"""models/sharding.py on the host: when KV heads are copied, how, and which meshes are refused."""
+"""models/sharding.py on the host: when KV heads are copied, how, and which meshes are refused; and a
+Gemma 3 (q/k norms, sliding layers) split over forced host devices, token for token as on one."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,3 +48,30 @@ def test_copied_kv_heads_keep_the_query_heads_in_order():
         np.testing.assert_array_equal(out[:, copy, 2:], qkv[:, copy // 2, group:])
     bias = qkv[0]  # [kv, group + 2, dim], as qkv_bias is
     np.testing.assert_array_equal(sharding.replicate_kv_heads(bias, 2), out[0])
+
+
+# Runs in a subprocess: XLA_FLAGS must force the host devices before JAX starts.
+_GEMMA3_TP = """
+import json, numpy as np
+from models.tiny import TINY_GEMMA3, random_model
+from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
+prompts = [np.random.default_rng(i).integers(2, 320, n).tolist() for i, n in enumerate((5, 19, 30))]
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+tokens = {}
+for size in (1, 2, 4):
+    engine = LLMEngine(random_model(TINY_GEMMA3), TINY_GEMMA3, None, EngineConfig(
+        tensor_parallel_size=size, block_size=8, num_blocks=64, max_num_batched_tokens=16))
+    tokens[size] = [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
+print(json.dumps(tokens))
+"""
+
+
+def test_gemma3_over_2_and_4_devices_matches_one():
+    """2 devices split the 2 KV heads (and their q/k norms' inputs), 4 copy each twice; the sliding
+    layers' windows (8, the prompts pass it) and chunked prefill in play."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    run = subprocess.run([sys.executable, "-c", _GEMMA3_TP], cwd=Path(__file__).resolve().parents[2],
+                         env=os.environ | {"XLA_FLAGS": flags}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    tokens = json.loads(run.stdout.strip().splitlines()[-1])
+    assert tokens["2"] == tokens["1"] and tokens["4"] == tokens["1"]
