@@ -6,6 +6,12 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+# Every client call in the server tests waits this long (httpx's default is 5 s): a busy CI machine may
+# make a request wait on a compile or on another process for far longer than a quiet one, and a test
+# must fail on what the server does, not on how fast the machine runs. Where a test bounds time
+# because the bound is what it tests, it says so beside its own figure.
+TIMEOUT = 300.0
+
 
 def parse_events(body: str) -> list[dict | str]:
     """The events of a complete SSE body, each `data: <JSON>` then a blank line; "[DONE]" must be last.
@@ -39,14 +45,14 @@ def stream_text(chunks: list[dict]) -> dict[int, str]:
 def metrics(base_url: str) -> dict[str, float]:
     """/metrics as {name or name{label="value",...}: value} (labels other than model_name)."""
     out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text):
+    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=TIMEOUT).text):
         for sample in family.samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
             out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
 
-def wait_for_idle(base_url: str, timeout: float = 30.0) -> dict[str, float]:
+def wait_for_idle(base_url: str, timeout: float = 120.0) -> dict[str, float]:
     """Wait until /metrics shows nothing running or waiting and no KV block held by a request (blocks
     the prefix cache alone holds are free to reuse); returns those metrics."""
     deadline = time.monotonic() + timeout
@@ -62,6 +68,6 @@ def wait_for_idle(base_url: str, timeout: float = 30.0) -> dict[str, float]:
 def wait_until_ready(base: str, timeout: float = 600.0) -> None:
     """Poll /ready until the server has warmed up (as a load balancer would before sending traffic)."""
     deadline = time.monotonic() + timeout
-    while httpx.get(f"{base}/ready").status_code != 200:
+    while httpx.get(f"{base}/ready", timeout=TIMEOUT).status_code != 200:
         assert time.monotonic() < deadline, "the server never became ready"
         time.sleep(0.1)

@@ -21,7 +21,7 @@ from playwright.sync_api import sync_playwright
 from conftest import running_server, slow_steps
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.serving.server import ServerConfig, build_app
-from server_client import metrics, wait_until_ready
+from server_client import TIMEOUT, metrics, wait_until_ready
 
 KEY = "sk-dashboard"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -56,6 +56,7 @@ def page(server, browser):
     """The dashboard, open and live; fails the test on any console error or request to elsewhere."""
     url, _ = server
     page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    page.set_default_timeout(1000 * TIMEOUT)  # every wait below, in ms (Playwright's own default is 30 s)
     errors, foreign = [], []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -69,7 +70,7 @@ def page(server, browser):
 
 def post_in_thread(url: str, bodies: list[dict]) -> list[threading.Thread]:
     def post(body):
-        r = httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=120)
+        r = httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=TIMEOUT)
         assert r.status_code == 200, r.text
 
     threads = [threading.Thread(target=post, args=(b,)) for b in bodies]
@@ -84,9 +85,9 @@ def used_on_page(page) -> int:
 
 def test_the_page_wants_the_key_and_shows_every_block_live(server, page):
     url, engine = server
-    assert httpx.get(f"{url}/dashboard").status_code == 401
-    assert httpx.get(f"{url}/dashboard/events").status_code == 401
-    assert httpx.get(f"{url}/dashboard", headers=AUTH).status_code == 200
+    assert httpx.get(f"{url}/dashboard", timeout=TIMEOUT).status_code == 401
+    assert httpx.get(f"{url}/dashboard/events", timeout=TIMEOUT).status_code == 401
+    assert httpx.get(f"{url}/dashboard", headers=AUTH, timeout=TIMEOUT).status_code == 200
     page.wait_for_selector("#grid .cell")  # the first event may come before the first pool snapshot
     assert page.locator("#grid .cell").count() == engine.blocks.num_blocks
     # At least two updates a second, across the stream's reconnections.
@@ -109,7 +110,7 @@ def test_used_blocks_follow_the_metrics_and_return_to_zero(server, page):
     request.join()
     # The request grew by a block every 16 tokens, and the page kept up.
     assert len(agreed) >= 3, agreed
-    page.wait_for_function("document.getElementById('used-blocks').textContent === '0'", timeout=10_000)
+    page.wait_for_function("document.getElementById('used-blocks').textContent === '0'")
     assert metrics(url)[USED] == 0
 
 
@@ -122,7 +123,7 @@ def test_a_busy_pool_with_shared_prefixes_and_a_page_table(server, page, tmp_pat
     page.wait_for_function("""() => {
         const [running, waiting] = document.getElementById('queue-counts').textContent.split(' / ').map(Number);
         return running === 4 && waiting >= 1 && document.querySelector('#grid .cell[data-state="shared"]');
-    }""", timeout=60_000)
+    }""")
     page.wait_for_timeout(2000)  # for the picture: the running sequences grow, the queue still waits
     page.click("#running tbody tr")
     # Read in one go, between two renders: the page table's physical blocks and the grid's highlighted cells.
@@ -138,4 +139,4 @@ def test_a_busy_pool_with_shared_prefixes_and_a_page_table(server, page, tmp_pat
         shutil.copy(shot, os.environ["PAGED_JAX_DASHBOARD_SCREENSHOT"])
     for t in threads:
         t.join()
-    page.wait_for_function("document.getElementById('used-blocks').textContent === '0'", timeout=10_000)
+    page.wait_for_function("document.getElementById('used-blocks').textContent === '0'")

@@ -13,7 +13,7 @@ from conftest import running_server
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.serving import engine_loop
 from paged_jax.serving.server import ServerConfig, build_app
-from server_client import metrics, wait_for_idle, wait_until_ready
+from server_client import TIMEOUT, metrics, wait_for_idle, wait_until_ready
 
 MODEL = "tiny"
 # A small pool (preemption), a small step budget (chunked prefill), a full batch of 8.
@@ -30,7 +30,7 @@ def make_app(tiny_chat_model):
 def test_ready_only_after_warm_up_and_early_requests_wait(tiny_chat_model, monkeypatch):
     release, real = threading.Event(), engine_loop.warmup.warm_up
     monkeypatch.setattr(engine_loop.warmup, "warm_up", lambda engine: release.wait(600) and real(engine))
-    with running_server(make_app(tiny_chat_model)) as base, httpx.Client(base_url=base, timeout=600) as http:
+    with running_server(make_app(tiny_chat_model)) as base, httpx.Client(base_url=base, timeout=TIMEOUT) as http:
         assert http.get("/health").status_code == 200
         r = http.get("/ready")
         assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up"
@@ -82,10 +82,10 @@ def test_nothing_compiles_after_ready(tiny_chat_model):
     with running_server(app) as base:
         wait_until_ready(base)
         before = metrics(base)
-        max_model_len = httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"]
+        max_model_len = httpx.get(f"{base}/v1/models", timeout=TIMEOUT).json()["data"][0]["max_model_len"]
 
         async def run():
-            async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+            async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as http:
                 await asyncio.gather(*(one(http, body, stream=i % 2 == 1) for i, body in enumerate(bodies(max_model_len))))
 
         asyncio.run(run())

@@ -17,6 +17,7 @@ import pytest
 from paged_jax.core.config import EngineConfig
 from paged_jax.serving import cli
 from paged_jax.serving.cli import parse_args
+from server_client import TIMEOUT
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,7 +97,7 @@ def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
         while True:
             assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
             try:
-                if httpx.get(f"{base}/health").status_code == 200:
+                if httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
@@ -107,7 +108,7 @@ def test_sigterm_finishes_or_cuts_requests_and_exits_0(tiny_chat_folder):
             body = dict(prompt=[5, 6, 7], max_tokens=max_tokens, ignore_eos=True, temperature=0, stream=True)
             text = ""
             try:
-                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as r:
                     for piece in r.iter_text():
                         text += piece
                         first_chunk[name].set()

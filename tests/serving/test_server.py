@@ -13,7 +13,7 @@ from conftest import running_server
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.serving.metrics import FINISH_REASONS
 from paged_jax.serving.server import ServerConfig, build_app
-from server_client import metrics, parse_events, stream_text, wait_for_idle
+from server_client import TIMEOUT, metrics, parse_events, stream_text, wait_for_idle
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -38,7 +38,7 @@ def base(app):
 
 @pytest.fixture(scope="module")
 def client(base):
-    with httpx.Client(base_url=base, headers=AUTH, timeout=60) as c:
+    with httpx.Client(base_url=base, headers=AUTH, timeout=TIMEOUT) as c:
         yield c
 
 
@@ -56,11 +56,11 @@ def stream(client, path: str, **body) -> list[dict]:
 
 
 def test_info_endpoints(base, client):
-    assert httpx.get(f"{base}/health").status_code == 200  # open without the key
-    assert httpx.get(f"{base}/version").json()["version"]
+    assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200  # open without the key
+    assert httpx.get(f"{base}/version", timeout=TIMEOUT).json()["version"]
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 512
-    paths = httpx.get(f"{base}/openapi.json").json()["paths"]
+    paths = httpx.get(f"{base}/openapi.json", timeout=TIMEOUT).json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(paths)
     m = metrics(base)
     assert m['paged_jax:cache_config_info{block_size="16",cache_dtype="float32",enable_prefix_caching="True",'
@@ -183,15 +183,17 @@ def test_bad_chat_requests(client, what, body, status, message):
 
 def test_api_key(base):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}, headers=headers)
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}, headers=headers, timeout=TIMEOUT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
+        assert httpx.get(f"{base}/v1/models", headers=headers, timeout=TIMEOUT).status_code == 401
         # Checked before the body is read: a bad body without the key is still a 401.
-        assert httpx.post(f"{base}/v1/completions", content=b"{", headers=headers).status_code == 401
-    assert httpx.get(f"{base}/health").status_code == httpx.get(f"{base}/metrics").status_code == 200
-    assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+        assert httpx.post(f"{base}/v1/completions", content=b"{", headers=headers, timeout=TIMEOUT).status_code == 401
+    for path in ("/health", "/metrics"):
+        assert httpx.get(f"{base}{path}", timeout=TIMEOUT).status_code == 200
+    lower_case = {"Authorization": f"bearer {KEY}"}
+    assert httpx.get(f"{base}/v1/models", headers=lower_case, timeout=TIMEOUT).status_code == 200
     assert metrics(base)['paged_jax:request_rejected_total{cause="unauthorized"}'] >= 9
-    assert "HTTPBearer" in httpx.get(f"{base}/openapi.json").json()["components"]["securitySchemes"]
+    assert "HTTPBearer" in httpx.get(f"{base}/openapi.json", timeout=TIMEOUT).json()["components"]["securitySchemes"]
 
 
 def test_a_request_whose_output_handling_fails_fails_alone(app, base, client, monkeypatch):
@@ -205,7 +207,7 @@ def test_a_request_whose_output_handling_fails_fails_alone(app, base, client, mo
     chunks = client.post("/v1/chat/completions", json=body | {"stream": True}).text
     assert '"type":"server_error"' in chunks and chunks.endswith("data: [DONE]\n\n")
     assert complete(client, prompt="hi", max_tokens=3)["choices"][0]["finish_reason"] == "length"
-    wait_for_idle(base, timeout=10)
+    wait_for_idle(base)
 
 
 def test_timeouts_end_requests_and_free_their_blocks(base, client):
@@ -214,10 +216,10 @@ def test_timeouts_end_requests_and_free_their_blocks(base, client):
     body = dict(model=MODEL, prompt=[7] * 20, max_tokens=480, ignore_eos=True, temperature=0, request_timeout=0.05)
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 408 and "ran out of time" in r.json()["error"]["message"]
-    wait_for_idle(base, timeout=5)
+    wait_for_idle(base)
     chunks = stream(client, "/v1/completions", **body)
     assert chunks[-1]["choices"][0]["finish_reason"] == "timeout" and len(stream_text(chunks)) == 1
-    wait_for_idle(base, timeout=5)
+    wait_for_idle(base)
     assert metrics(base)["paged_jax:request_timeouts_total"] == before + 2
 
 
@@ -226,11 +228,11 @@ def test_a_client_that_leaves_has_its_request_aborted(base):
     body = dict(model=MODEL, prompt=[8] * 20, max_tokens=480, ignore_eos=True, temperature=0)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=0.1)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + TIMEOUT
     while metrics(base)['paged_jax:request_success_total{finished_reason="abort"}'] == before:
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.02)
-    wait_for_idle(base, timeout=5)
+    wait_for_idle(base)
 
 
 def test_load_of_64_streaming_clients_a_quarter_leaving(base):
@@ -269,13 +271,13 @@ def test_load_of_64_streaming_clients_a_quarter_leaving(base):
 
     async def run():
         limits = httpx.Limits(max_connections=100)
-        async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=120, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=TIMEOUT, limits=limits) as http:
             return await asyncio.gather(health_latency(http), *(client_run(http, i) for i in range(64)))
 
-    start = time.monotonic()
     latency, *results = asyncio.run(run())
-    assert time.monotonic() - start < 120
-    assert latency < 2.0
+    # /health does not queue behind the engine: it answers in milliseconds while the 64 streams take tens
+    # of seconds, so 10 s holds on a machine many times slower and still fails a health check that waits.
+    assert latency < 10.0
     assert sum(r is not None for r in results) == 48
     after = wait_for_idle(base)
     blocks = lambda state: after[f'paged_jax:num_kv_cache_blocks{{state="{state}"}}']
@@ -283,4 +285,4 @@ def test_load_of_64_streaming_clients_a_quarter_leaving(base):
     reasons = {r: after[f'paged_jax:request_success_total{{finished_reason="{r}"}}']
                - before[f'paged_jax:request_success_total{{finished_reason="{r}"}}'] for r in FINISH_REASONS}
     assert reasons == dict.fromkeys(FINISH_REASONS, 0) | {"abort": len(leavers), "length": 48}
-    assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200

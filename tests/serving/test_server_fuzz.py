@@ -13,6 +13,7 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error, r
 from conftest import running_server
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.serving.server import ServerConfig, build_app
+from server_client import TIMEOUT
 
 EXAMPLES_PER_OPERATION = 20
 
@@ -35,5 +36,6 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_no_server_errors(case):
-    case.call_and_validate(timeout=60, checks=[not_a_server_error, status_code_conformance, content_type_conformance,
-                                               response_schema_conformance])
+    case.call_and_validate(timeout=TIMEOUT,
+                           checks=[not_a_server_error, status_code_conformance, content_type_conformance,
+                                   response_schema_conformance])

@@ -9,6 +9,7 @@ from conftest import CHAT_PROMPTS, running_server
 from models import load_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 from paged_jax.serving.server import ServerConfig, build_app
+from server_client import TIMEOUT
 
 KEY = "sk-test"
 MODEL = "smollm2"
@@ -29,7 +30,7 @@ def make_engine(loaded) -> LLMEngine:
 @pytest.fixture(scope="module")
 def client(loaded):
     with running_server(build_app(make_engine(loaded), ServerConfig(served_model_name=MODEL, api_key=KEY))) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_typed_errors(client):
                                        functions=[{"name": "f", "parameters": {"type": "object"}}])
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    wrong = openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0)
+    wrong = openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0, timeout=TIMEOUT)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=MODEL, prompt="hi")
     with pytest.raises(openai.BadRequestError) as error:

@@ -12,7 +12,7 @@ import pytest
 from conftest import running_server
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.serving.server import ServerConfig, build_app
-from server_client import metrics, parse_events, stream_text, wait_for_idle
+from server_client import TIMEOUT, metrics, parse_events, stream_text, wait_for_idle
 
 MAX_NUM_SEQS = 2
 QUEUE_CAP = 2
@@ -36,9 +36,9 @@ def test_requests_beyond_the_queue_get_429_and_accepted_ones_finish(base):
         return stream_text(parse_events(r.text))
 
     async def run():
-        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as http:
             tasks = [asyncio.ensure_future(accepted(http, i)) for i in range(MAX_NUM_SEQS + QUEUE_CAP)]
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + TIMEOUT
             while True:
                 m = metrics(base)
                 if (m["paged_jax:num_requests_running"], m["paged_jax:num_requests_waiting"]) == (MAX_NUM_SEQS, QUEUE_CAP):
@@ -49,7 +49,7 @@ def test_requests_beyond_the_queue_get_429_and_accepted_ones_finish(base):
             refused = await http.post("/v1/completions", json=body | {"prompt": [7] * 10})
             assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
             assert refused.json()["error"]["code"] == "queue_full"
-            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
             with pytest.raises(openai.RateLimitError):
                 await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
             return await asyncio.gather(*tasks)

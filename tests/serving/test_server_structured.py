@@ -16,6 +16,7 @@ from conftest import running_server
 from models import load_model
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.serving.server import ServerConfig, build_app
+from server_client import TIMEOUT
 
 MODEL = "smollm2"
 # test_server_openai's SmolLM2 engine: in one pytest run the two share their compiled steps.
@@ -53,7 +54,7 @@ def client():
     engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(**ENGINE))
     config = ServerConfig(served_model_name=MODEL, enable_auto_tool_choice=True, tool_call_parser="hermes")
     with running_server(build_app(engine, config)) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
 
 
 class City(BaseModel):

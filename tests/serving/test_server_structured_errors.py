@@ -10,6 +10,7 @@ import pytest
 from conftest import running_server
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.serving.server import ServerConfig, build_app
+from server_client import TIMEOUT
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -31,7 +32,7 @@ def served(tiny_chat_model):
     engine = LLMEngine(tiny_chat_model.model, tiny_chat_model.config, tokenizer,
                        EngineConfig(block_size=8, num_blocks=128))
     with running_server(build_app(engine, ServerConfig(served_model_name=MODEL))) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120), engine
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT), engine
 
 
 def refused(client, **args) -> openai.BadRequestError:
