@@ -13,7 +13,7 @@ import pytest
 from conftest import fail_on_host, running_server, slow_steps
 from paged_jax import EngineConfig, LLMEngine
 from paged_jax.serving.server import ServerConfig, build_app
-from server_client import metrics, parse_events, wait_for_idle
+from server_client import TIMEOUT, metrics, parse_events, wait_for_idle
 
 STEP_DELAY_S = 0.1
 MAX_TOKENS = 8
@@ -49,7 +49,7 @@ async def first_token(http: httpx.AsyncClient, body: dict) -> tuple[httpx.Respon
 
 
 async def burst(base: str, bodies: list[dict]) -> list[tuple[httpx.Response, float | None, str]]:
-    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as http:
         return await asyncio.gather(*(first_token(http, b) for b in bodies))
 
 
@@ -62,9 +62,10 @@ def slo_server(tiny_chat_model):
 
 
 def test_requests_may_tighten_the_objectives_but_not_loosen_them(slo_server):
-    r = httpx.post(f"{slo_server}/v1/completions", json=BODY | {"slo_ttft_ms": 70_000})
+    r = httpx.post(f"{slo_server}/v1/completions", json=BODY | {"slo_ttft_ms": 70_000}, timeout=TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "slo_ttft_ms"
-    assert httpx.post(f"{slo_server}/v1/completions", json=BODY | {"slo_ttft_ms": 50_000}).status_code == 200
+    r = httpx.post(f"{slo_server}/v1/completions", json=BODY | {"slo_ttft_ms": 50_000}, timeout=TIMEOUT)
+    assert r.status_code == 200
 
 
 def test_a_burst_beyond_the_ttft_objective_is_refused_and_the_admitted_meet_it(slo_server):
@@ -95,7 +96,8 @@ def test_a_burst_beyond_the_ttft_objective_is_refused_and_the_admitted_meet_it(s
 
 def test_a_missed_tpot_objective_is_a_violation_not_goodput(slo_server):
     before = wait_for_idle(slo_server)
-    assert httpx.post(f"{slo_server}/v1/completions", json=BODY | {"slo_tpot_ms": 1}, timeout=60).status_code == 200
+    r = httpx.post(f"{slo_server}/v1/completions", json=BODY | {"slo_tpot_ms": 1}, timeout=TIMEOUT)
+    assert r.status_code == 200
     after = wait_for_idle(slo_server)
     assert after['paged_jax:slo_violations_total{objective="tpot"}'] - before[
         'paged_jax:slo_violations_total{objective="tpot"}'] == 1
@@ -106,24 +108,24 @@ def test_a_request_waiting_past_the_max_queue_time_gets_503_and_holds_nothing(ti
     _, server = serve(tiny_chat_model, max_queue_time=0.5)
     with server as url:
         async def run():
-            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
                 assert (await http.post("/v1/completions", json=BODY)).status_code == 200  # compiles
                 long = asyncio.ensure_future(http.post("/v1/completions", json=BODY | {"max_tokens": 60}))
                 while metrics(url)["paged_jax:num_requests_running"] < 1:
                     await asyncio.sleep(0.02)
-                start = time.monotonic()
                 waited, streamed = await asyncio.gather(http.post("/v1/completions", json=BODY),
                                                         http.post("/v1/completions", json=BODY | {"stream": True}))
-                elapsed = time.monotonic() - start
-                return await long, waited, streamed, elapsed
+                long_was_running = not long.done()
+                return await long, waited, streamed, long_was_running
 
-        long, waited, streamed, elapsed = asyncio.run(run())
+        long, waited, streamed, long_was_running = asyncio.run(run())
         assert long.status_code == 200
         assert waited.status_code == 503 and waited.json()["error"]["code"] == "queue_timeout"
         # A stream's status line went out at once: the timeout is its error event.
         assert streamed.status_code == 200
         assert [e["error"]["code"] for e in parse_events(streamed.text)] == ["queue_timeout"]
-        assert elapsed < 0.5 + 20 * STEP_DELAY_S  # ended at the timeout, not when the long request did
+        # Ended at the timeout, not when the long request did (its 60 steps last 6 s at least, whatever the machine).
+        assert long_was_running
         m = wait_for_idle(url)
         assert m['paged_jax:request_success_total{finished_reason="queue_timeout"}'] == 2
         blocks = {state: m[f'paged_jax:num_kv_cache_blocks{{state="{state}"}}'] for state in ("used", "free", "cached")}
@@ -134,16 +136,16 @@ def test_failing_steps_open_the_breaker_and_a_healthy_probe_closes_it(tiny_chat_
     app, server = serve(tiny_chat_model, breaker_threshold=2)
     engine = app.state  # filled in by the lifespan
     with server as url:
-        assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=TIMEOUT).status_code == 200
         runner = engine.engine.engine.runner
         healthy = runner.execute
         runner.execute = fail_on_host
         for _ in range(2):
-            r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+            r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=TIMEOUT)
             assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
-        ready = httpx.get(f"{url}/ready", timeout=60)  # probes, and the probe fails too
+        ready = httpx.get(f"{url}/ready", timeout=TIMEOUT)  # probes, and the probe fails too
         assert ready.status_code == 503 and ready.json()["error"]["code"] == "circuit_open"
-        refused = httpx.post(f"{url}/v1/completions", json=BODY)
+        refused = httpx.post(f"{url}/v1/completions", json=BODY, timeout=TIMEOUT)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "circuit_open"
         assert int(refused.headers["Retry-After"]) >= 1
         m = metrics(url)
@@ -151,13 +153,13 @@ def test_failing_steps_open_the_breaker_and_a_healthy_probe_closes_it(tiny_chat_
         assert m['paged_jax:request_rejected_total{cause="circuit_open"}'] == 1
 
         runner.execute = healthy
-        assert httpx.get(f"{url}/ready", timeout=60).status_code == 200
+        assert httpx.get(f"{url}/ready", timeout=TIMEOUT).status_code == 200
         assert metrics(url)["paged_jax:circuit_breaker_open"] == 0
-        assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=TIMEOUT).status_code == 200
 
         # A dead engine loop opens it for good.
         engine.engine.shutdown()
-        assert httpx.get(f"{url}/ready", timeout=60).json()["error"]["message"] == (
+        assert httpx.get(f"{url}/ready", timeout=TIMEOUT).json()["error"]["message"] == (
             "not ready: the engine loop is not running")
-        assert httpx.post(f"{url}/v1/completions", json=BODY).status_code == 503
+        assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=TIMEOUT).status_code == 503
         assert metrics(url)["paged_jax:circuit_breaker_open"] == 1
