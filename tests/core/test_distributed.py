@@ -125,9 +125,9 @@ def test_idle_leader_ends_when_a_follower_dies():
 
 
 def test_a_process_that_cannot_reach_the_coordinator_ends_with_a_clear_error():
-    start = time.monotonic()
+    # It gives up after its own 5 s; waiting on JAX's default (300 s) would run past communicate's
+    # bound, which leaves a slow or busy machine minutes for the process's start.
     with group("once", ["kv2-tp4"], ranks=[1], timeout=5) as (follower,):
-        _, err = follower.communicate(timeout=60)
+        _, err = follower.communicate(timeout=120)
     assert follower.returncode == EXIT_GROUP_FAILED, err[-3000:]
     assert "could not join the group within 5 s: the coordinator (process 0, at 127.0.0.1:" in err, err[-3000:]
-    assert time.monotonic() - start < 30
