@@ -1,13 +1,16 @@
-"""Prometheus metrics of a serving engine: vLLM's names under the prefix `paged_jax:`, so a vLLM
-dashboard needs only the prefix changed; metrics vLLM lacks (rejections, timeouts, compiles, step time
-and its host and device parts, KV blocks by state, the attention backend) take names in the same style.
+"""Prometheus metrics of a serving engine: vLLM's names under the prefix `paged_jax:`, and again under
+vLLM's own `vllm:` names (vllm_metrics.py) for every metric vLLM has, so a router or dashboard built
+for vLLM reads a replica unchanged; metrics vLLM lacks (rejections, timeouts, compiles, step time and
+its host and device parts, KV blocks by state, the attention backend) take names in the same style.
 
-Everything carries a `model_name` label, as vLLM's do. Recording happens on the engine loop's thread
-(`record`, a StatLogger) and on the server's (`reject`); prometheus_client's collectors are thread-safe.
+Everything carries a `model_name` label, as vLLM's do (the `vllm:` twins also vLLM's `engine`).
+Recording happens on the engine loop's thread (`record`, a StatLogger) and on the server's (`reject`);
+prometheus_client's collectors are thread-safe.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from paged_jax.serving import vllm_metrics
 from paged_jax.serving.async_engine import StatLogger
 from paged_jax.serving.stats import IterationStats, SchedulerStats
 
@@ -36,6 +39,36 @@ def _1_2_5_buckets(limit: int) -> list[int]:
         scale *= 10
 
 
+class _Children:
+    """One value recorded in several series at once: ours and its vLLM twins."""
+
+    def __init__(self, children: list):
+        self._children = children
+
+    def inc(self, amount: float = 1.0) -> None:
+        for child in self._children:
+            child.inc(amount)
+
+    def set(self, value: float) -> None:
+        for child in self._children:
+            child.set(value)
+
+    def observe(self, value: float) -> None:
+        for child in self._children:
+            child.observe(value)
+
+
+class _Metrics:
+    """A metric under several names, each with the labels all its series carry: labels() picks the
+    series of the remaining labels in every one."""
+
+    def __init__(self, named: list[tuple[object, dict[str, str]]]):
+        self._named = named
+
+    def labels(self, **more: str) -> _Children:
+        return _Children([metric.labels(**labels, **more) for metric, labels in self._named])
+
+
 class PrometheusMetrics(StatLogger):
     def __init__(self, registry: CollectorRegistry, model_name: str, *, max_model_len: int,
                  cache_config: dict[str, str], attention_backend: str):
@@ -46,12 +79,17 @@ class PrometheusMetrics(StatLogger):
         self._previous: SchedulerStats | None = None
 
         def make(kind, name, doc, labelnames=(), **kwargs):
-            metric = kind(PREFIX + name, doc, ["model_name", *labelnames], registry=registry, **kwargs)
-            return metric if labelnames else metric.labels(**labels)
+            named = [(kind(PREFIX + name, doc, ["model_name", *labelnames], registry=registry, **kwargs), labels)]
+            for twin in vllm_metrics.TWINS.get(name, ()):
+                twin_kwargs = kwargs | ({"buckets": vllm_metrics.BUCKETS[twin]} if twin in vllm_metrics.BUCKETS else {})
+                named.append((kind(vllm_metrics.PREFIX + twin, doc, ["model_name", "engine", *labelnames],
+                                   registry=registry, **twin_kwargs), labels | {"engine": vllm_metrics.ENGINE}))
+            metric = _Metrics(named)
+            return metric if labelnames else metric.labels()
 
         def by_label(metric_kind, name, doc, label, values, **kwargs):
             metric = make(metric_kind, name, doc, (label,), **kwargs)
-            return {v: metric.labels(**labels, **{label: v}) for v in values}
+            return {v: metric.labels(**{label: v}) for v in values}
 
         # The engine's state.
         self.running = make(Gauge, "num_requests_running", "Requests the scheduler runs (admitted, not finished).")
@@ -83,9 +121,9 @@ class PrometheusMetrics(StatLogger):
         self.iteration_tokens = make(Histogram, "iteration_tokens_total", "Tokens run through the model per step.",
                                      buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
         make(Gauge, "cache_config_info", "The KV cache's configuration (value 1).",
-             tuple(cache_config)).labels(**labels, **cache_config).set(1)
+             tuple(cache_config)).labels(**cache_config).set(1)
         make(Gauge, "attention_backend_info", "The attention implementation the engine runs (value 1).",
-             ("backend",)).labels(**labels, backend=attention_backend).set(1)
+             ("backend",)).labels(backend=attention_backend).set(1)
 
         # Requests.
         self.finished = by_label(Counter, "request_success", "Finished requests by finish reason.",
