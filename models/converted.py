@@ -81,5 +81,7 @@ def load(folder: Path, dtype, *, on_device: bool = True) -> tuple[ModelConfig, P
     if (folder / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast  # a second to import; only needed from here on
 
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+        # fix_mistral_regex=False: transformers takes a local folder of a large vocabulary whose config.json
+        # names no model_type (ours is a ModelConfig) for an old Mistral one, and warns of a wrong regex.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, fix_mistral_regex=False)
     return config, params, tokenizer
