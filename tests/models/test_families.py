@@ -1,8 +1,8 @@
-"""Qwen3, Gemma 3, Gemma 2 and Mistral past its window through the engine against transformers: greedy tokens
-of tiny random checkpoints (conftest.TINY_ARCHS) with chunked prefill and prefix caching on, on each
-CPU attention backend, and on the Pallas kernel in its interpreter for a small case. The Gemmas'
-windows and this Mistral's (8) are shorter than the prompts' shared prefix, so sliding layers drop keys in
-prefill chunks, from cached blocks, and in decode."""
+"""Qwen3, Gemma 3, Gemma 2 and Mistral past its window through the engine against transformers: greedy
+tokens of tiny random checkpoints (conftest.TINY_ARCHS) with chunked prefill and prefix caching on, on
+each CPU attention backend (and under preemption, recomputed or swapped), and on the Pallas kernel in
+its interpreter for a small case. The Gemmas' windows and this Mistral's (8) are shorter than the
+prompts' shared prefix, so sliding layers drop keys in prefill chunks, from cached blocks, and in decode."""
 
 import numpy as np
 import pytest
@@ -35,14 +35,14 @@ def family_prompts(vocab: int, count: int) -> list[list[int]]:
             for i, n in enumerate(rng.integers(3, 20, size=count))]
 
 
-def engine_greedy(family, backend: str, prompts, steps: int) -> tuple[list[list[int]], LLMEngine]:
+def engine_greedy(family, backend: str, prompts, steps: int, **options) -> tuple[list[list[int]], LLMEngine]:
     """Each prompt's greedy tokens from an engine on `backend` with chunked prefill (steps of at most
-    24 tokens) and prefix caching over blocks of 8; the batch is run twice, so the second run reads
-    every shared prefix from the cache."""
+    24 tokens) and prefix caching over blocks of 8, and `options`; the batch is run twice, so the
+    second run reads every shared prefix from the cache."""
     loaded, _ = family
-    engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(
+    engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(**dict(
         attention_backend=backend, block_size=8, num_blocks=128, max_num_batched_tokens=24,
-        enable_chunked_prefill=True, enable_prefix_caching=True))
+        enable_chunked_prefill=True, enable_prefix_caching=True) | options))
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     llm = LLM.from_engine(engine)
     runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for _ in range(2)]
@@ -57,6 +57,16 @@ def test_greedy_through_the_engine_matches_transformers(family, backend):
     got, engine = engine_greedy(family, backend, prompts, STEPS)
     assert engine.resolved.attention_backend == backend
     assert engine.stats().prefix_cache_hit_blocks >= 3 * 2  # the second run's shared prefixes, at least
+    assert got == [hf_greedy(hf_model, p, STEPS) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_under_preemption_matches_transformers(family, mode):
+    """A pool of 14 blocks for 6 sequences of up to 56 tokens: sequences give way and come back."""
+    loaded, hf_model = family
+    prompts = family_prompts(loaded.config.vocab_size, 6)
+    got, engine = engine_greedy(family, "cpu", prompts, STEPS, num_blocks=14, preemption_mode=mode)
+    assert engine.stats().num_preemptions > 0
     assert got == [hf_greedy(hf_model, p, STEPS) for p in prompts]
 
 
