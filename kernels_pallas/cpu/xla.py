@@ -48,7 +48,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import cdiv
 
-from kernels_pallas.layout import TOKEN_MAJOR, heads_first, page_dims
+from kernels_pallas.cpu.xla_chunks import (capped, chunk_kv, online_softmax_init, online_softmax_result,
+                                            online_softmax_step, pad_to)
+from kernels_pallas.layout import TOKEN_MAJOR, page_dims
 
 
 def paged_attention_xla(
@@ -151,7 +153,7 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
     lengths = jnp.pad(lengths, (0, padded_rows - rows))
     # Longest first, so each group's trip count is set by rows of about its own length.
     order = jnp.argsort(-lengths)
-    tables = _pad_to(jnp.pad(block_tables, ((0, padded_rows - rows), (0, 0))), chunk_pages)[order]
+    tables = pad_to(jnp.pad(block_tables, ((0, padded_rows - rows), (0, 0))), chunk_pages)[order]
     tables = tables.reshape(num_groups, group_rows, -1)
     token = jnp.where(lengths > 0, jnp.pad(query_start_loc[:-1], (0, padded_rows - rows)), num_tokens)[order]
     queries = q.at[token].get(mode="fill", fill_value=0).astype(jnp.float32) * scale
@@ -167,18 +169,18 @@ def _decode(out, q, k_pages, v_pages, block_tables, lengths, query_start_loc, *,
             valid = pos < lens[:, None]  # [rows, chunk]
             if window is not None:
                 valid &= pos >= lens[:, None] - window
-            k, v = _chunk_kv(k_pages, v_pages, pages, valid, i * chunk < lens[0], layout)
-            s = _capped(jnp.einsum("bhcd,bhgd->bhgc", k, qg), soft_cap)
-            return _online_softmax_step(carry, s, valid[:, None, None], v, "bhgc,bhcd->bhgd")
+            k, v = chunk_kv(k_pages, v_pages, pages, valid, i * chunk < lens[0], layout)
+            s = capped(jnp.einsum("bhcd,bhgd->bhgc", k, qg), soft_cap)
+            return online_softmax_step(carry, s, valid[:, None, None], v, "bhgc,bhcd->bhgd")
 
-        carry = _online_softmax_init((group_rows, kv_heads, group), head_dim)
+        carry = online_softmax_init((group_rows, kv_heads, group), head_dim)
         end = cdiv(lens[0], chunk)
         first = 0
         if window is not None:  # the chunk of the group's earliest visible key; rows of length 0 see none
             earliest = jnp.min(jnp.where(lens > 0, jnp.maximum(lens - window, 0), jnp.iinfo(jnp.int32).max))
             first = jnp.minimum(earliest // chunk, end)
         carry = lax.fori_loop(first, end, step, carry)
-        return results.at[g].set(_online_softmax_result(carry))
+        return results.at[g].set(online_softmax_result(carry))
 
     results = jnp.zeros((num_groups, group_rows, kv_heads, group, head_dim), jnp.float32)
     results = lax.fori_loop(0, num_groups, attend_group, results)
@@ -199,7 +201,7 @@ def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
     _, block_size, kv_heads, _ = page_dims(k_pages, layout)
     group = num_heads // kv_heads
     chunk = chunk_pages * block_size
-    tables = _pad_to(block_tables, chunk_pages)
+    tables = pad_to(block_tables, chunk_pages)
     row_tiles = cdiv(q_lens, tile)
     tiles_end = jnp.cumsum(row_tiles)  # [rows] one past each row's last tile
 
@@ -224,83 +226,22 @@ def _prefill(out, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, 
         def step(i, carry):
             pages = lax.dynamic_slice_in_dim(table, i * chunk_pages, chunk_pages)
             kv_pos = i * chunk + jnp.arange(chunk)
-            k, v = _chunk_kv(k_pages, v_pages, pages, (kv_pos < seq_len) & (kv_pos >= kv_start), i * chunk < kv_end,
-                             layout)
-            s = _capped(jnp.einsum("hmd,hkd->hmk", qt, k), soft_cap)
+            k, v = chunk_kv(k_pages, v_pages, pages, (kv_pos < seq_len) & (kv_pos >= kv_start), i * chunk < kv_end,
+                            layout)
+            s = capped(jnp.einsum("hmd,hkd->hmk", qt, k), soft_cap)
             seen = kv_pos <= q_pos[:, None]
             if window is not None:
                 seen &= kv_pos > q_pos[:, None] - window
-            return _online_softmax_step(carry, s, seen, v, "hmk,hkd->hmd")
+            return online_softmax_step(carry, s, seen, v, "hmk,hkd->hmd")
 
-        carry = _online_softmax_init((kv_heads, tile * group), head_dim)
+        carry = online_softmax_init((kv_heads, tile * group), head_dim)
         carry = lax.fori_loop(kv_start // chunk, cdiv(kv_end, chunk), step, carry)
-        result = _online_softmax_result(carry).reshape(kv_heads, tile, group, head_dim)
+        result = online_softmax_result(carry).reshape(kv_heads, tile, group, head_dim)
         result = result.transpose(1, 0, 2, 3).reshape(tile, num_heads, head_dim).astype(out.dtype)
         old = lax.dynamic_slice_in_dim(out, start, tile)
         return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None, None], result, old), start, 0)
 
     return lax.fori_loop(0, tiles_end[-1], attend_tile, out)
-
-
-def _capped(s, soft_cap):
-    """Scaled scores s, soft-capped to soft_cap * tanh(s / soft_cap) where soft_cap is set."""
-    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
-
-
-def _online_softmax_init(rows_shape, head_dim):
-    """(acc [*rows_shape, head_dim], running max [*rows_shape], running sum [*rows_shape]), float32."""
-    return (
-        jnp.zeros((*rows_shape, head_dim), jnp.float32),
-        jnp.full(rows_shape, -jnp.inf, jnp.float32),
-        jnp.zeros(rows_shape, jnp.float32),
-    )
-
-
-def _online_softmax_step(carry, s, valid, v, pv_subscripts):
-    """Folds one chunk into the running softmax: s [*rows, chunk] scores, valid broadcastable to s,
-    v the chunk's values (masked to 0 where invalid) for `pv_subscripts` (p, v -> acc)."""
-    acc, m, l = carry
-    s = jnp.where(valid, s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(-1))
-    # A row with no valid slot yet keeps m = -inf; shifting by 0 then gives exp(-inf) = 0, not NaN.
-    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(s - shift[..., None])
-    alpha = jnp.exp(m - shift)
-    return alpha[..., None] * acc + jnp.einsum(pv_subscripts, p, v), m_new, alpha * l + p.sum(-1)
-
-
-def _online_softmax_result(carry):
-    acc, _, l = carry
-    return acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
-
-
-def _chunk_kv(k_pages, v_pages, pages, valid, live, layout):
-    """A chunk's K and V, KV heads first, in float32, V zeroed where not valid.
-
-    k_pages, v_pages: pages in `layout`; pages: int32 [..., chunk_pages]; valid: bool [..., chunk_pages * block_size].
-    returns k, v: [..., num_kv_heads, chunk_pages * block_size, head_dim].
-
-    live: a traced bool, true wherever this is called (the chunk is within the loop's bound). 16-bit
-    pages are gathered in a branch on it so that XLA cannot hoist work out of the loop: its CPU float
-    normalization widens a 16-bit gather's operand, the whole page pool, to float32, and in a loop
-    body that conversion is loop-invariant, so it would be hoisted and paid on every page of the pool
-    at every call. Inside the branch it stays fused into the gather, per gathered element. float32
-    pages skip the branch, which costs about 0.1 ms a chunk.
-    """
-
-    def fetch():
-        k = heads_first(k_pages[pages], layout).astype(jnp.float32)
-        v = jnp.where(valid[..., None, :, None], heads_first(v_pages[pages], layout), 0)
-        return k, v.astype(jnp.float32)
-
-    if k_pages.dtype == jnp.float32:
-        return fetch()
-    return lax.cond(live, fetch, lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(fetch)))
-
-
-def _pad_to(block_tables, multiple):
-    """Block tables padded with page 0 to a whole number of chunks (the padding is masked by length)."""
-    return jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % multiple)))
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, max_query_len, layout):
