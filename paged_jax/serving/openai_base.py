@@ -18,7 +18,7 @@ from paged_jax.core.validation import check_prompt_length
 from paged_jax.serving.async_engine import AsyncLLMEngine, RequestStream
 from paged_jax.serving.openai_errors import APIError, bad_request, refused
 from paged_jax.serving.openai_logprobs import LogprobFormatter
-from paged_jax.serving.openai_protocol import SamplingRequest, UsageInfo
+from paged_jax.serving.openai_protocol import PromptTokenUsageInfo, SamplingRequest, UsageInfo
 from paged_jax.serving.structured_requests import RequestConstraint, compiled, request_constraint
 
 if TYPE_CHECKING:  # slo.py builds on this module's errors
@@ -36,10 +36,18 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompts: list[Prompt], completion_tokens: int) -> UsageInfo:
+def usage(prompts: list[Prompt], completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    """cached_tokens: of the prompts' tokens, those the prefix cache served (OpenAI's
+    prompt_tokens_details.cached_tokens, sent always, 0 included, as OpenAI does)."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens))
+
+
+def cached_tokens(outputs: Sequence[RequestOutput]) -> int:
+    """Prompt tokens served from the prefix cache, over the latest outputs of a response's requests."""
+    return sum(out.metrics.num_prefix_hit_tokens for out in outputs)
 
 
 def num_tokens(outputs: Sequence[RequestOutput]) -> int:

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from paged_jax.core.llm import chat_prompt
-from paged_jax.serving.openai_base import OpenAIBase, Prompt, num_tokens, random_id, usage
+from paged_jax.serving.openai_base import OpenAIBase, Prompt, cached_tokens, num_tokens, random_id, usage
 from paged_jax.serving.openai_errors import bad_request
 from paged_jax.serving.openai_protocol import (AssistantMessage, ChatCompletionChoice, ChatCompletionChunk,
                                                ChatCompletionRequest, ChatCompletionResponse,
@@ -51,7 +51,7 @@ class ChatServing(OpenAIBase):
                 logprobs=self.logprobs.chat(c.token_ids, c.logprobs, logprobs) if request.logprobs else None,
                 finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices,
-                                      usage=usage([prompt], num_tokens([final])))
+                                      usage=usage([prompt], num_tokens([final]), cached_tokens([final])))
 
     async def _chat_events(self, response_id: str, request: ChatCompletionRequest, prompt: Prompt,
                            stream: RequestStream, constraint: RequestConstraint) -> AsyncIterator[str]:
@@ -64,12 +64,12 @@ class ChatServing(OpenAIBase):
         # The role comes first, as OpenAI sends it, before any token exists.
         yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(request.n)])
-        completion_tokens = 0
+        completion_tokens, last = 0, None
         # With a tool parser: each choice's text so far, and what of it has been read.
         texts: dict[int, str] = {}
         readers: dict[int, ToolCallStream] = {}
         async for out in stream:
-            completion_tokens += num_tokens([out])
+            completion_tokens, last = completion_tokens + num_tokens([out]), out
             for c in out.outputs:
                 content, calls, called = c.text, [], []
                 if constraint.parser is not None:
@@ -82,7 +82,7 @@ class ChatServing(OpenAIBase):
                     index=c.index, delta=DeltaMessage(content=content, tool_calls=calls or None), logprobs=logprobs,
                     finish_reason=_finish_reason(c.finish_reason, called), stop_reason=c.stop_reason)])
         if request.stream_options and request.stream_options.include_usage:
-            yield chunk([], usage([prompt], completion_tokens))
+            yield chunk([], usage([prompt], completion_tokens, cached_tokens([last] if last else [])))
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, **options) -> list[int]:
         if self.tokenizer is None or self.tokenizer.chat_template is None:

@@ -5,7 +5,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from paged_jax.serving.openai_base import OpenAIBase, Prompt, num_tokens, random_id, usage
+from paged_jax.core.outputs import RequestOutput
+from paged_jax.serving.openai_base import OpenAIBase, Prompt, cached_tokens, num_tokens, random_id, usage
 from paged_jax.serving.openai_errors import bad_request
 from paged_jax.serving.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from paged_jax.serving.openai_streams import EventStream, ending, finals, merge, sse
@@ -39,7 +40,7 @@ class CompletionServing(OpenAIBase):
                 choices.append(CompletionChoice(index=len(choices), text=text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=response_id, model=self.model_name, choices=choices,
-                                  usage=usage(prompts, num_tokens(outputs)))
+                                  usage=usage(prompts, num_tokens(outputs), cached_tokens(outputs)))
 
     def _completion_prompts(self, prompt: str | list) -> list[Prompt]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -54,9 +55,11 @@ class CompletionServing(OpenAIBase):
         created = int(time.time())
         text_offsets: dict[int, int] = {}  # completions' logprobs: where a choice's next token starts
         completion_tokens = 0
+        latest: dict[int, RequestOutput] = {}  # each prompt's last output, for its cached tokens
         async with contextlib.aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
                 completion_tokens += num_tokens([out])
+                latest[i] = out
                 for c in out.outputs:
                     index = i * request.n + c.index
                     text = c.text
@@ -71,5 +74,6 @@ class CompletionServing(OpenAIBase):
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     yield sse(CompletionResponse(id=response_id, created=created, model=self.model_name, choices=[choice]))
         if request.stream_options and request.stream_options.include_usage:
+            total = usage(prompts, completion_tokens, cached_tokens(list(latest.values())))
             yield sse(CompletionResponse(id=response_id, created=created, model=self.model_name, choices=[],
-                                         usage=usage(prompts, completion_tokens)))
+                                         usage=total))

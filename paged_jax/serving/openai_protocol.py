@@ -145,10 +145,15 @@ class ChatCompletionRequest(SamplingRequest, ToolFields):
 # Responses.
 
 
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class CompletionLogprobs(BaseModel):
