@@ -6,6 +6,11 @@ mean equal prefixes, and a new request reuses the blocks of its longest matching
 The cache holds one reference of its own on every block it names (taken through the block pool's
 share), so a cached block outlives the sequences that computed it. When the pool runs short, blocks
 that only the cache still holds (refcount 1) are evicted, least recently used first.
+
+What the cache does can be logged for others to follow (`events`, a list the serving side drains
+after each step and publishes as vLLM's KV-cache events: serving/kv_events.py): a name stored, names
+removed, everything cleared. A stored name carries its parent's name and its block's token ids
+(BlockName), which the publisher sends along, so a router can rebuild the chain from the tokens.
 """
 
 import collections
@@ -17,13 +22,33 @@ import numpy as np
 ROOT_HASH = 0
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+class BlockName(int):
+    """A block's name, hash((parent, token_ids)), which also keeps what it hashed: an int everywhere
+    (equal to, and hashing as, the plain value), and what a KV-cache event says of the block."""
+
+    parent: int  # the name of the block before it (ROOT_HASH for a sequence's first)
+    token_ids: tuple[int, ...]  # [block_size]
+
+    def __new__(cls, parent: int, token_ids: tuple[int, ...]) -> "BlockName":
+        name = super().__new__(cls, hash((parent, token_ids)))
+        name.parent, name.token_ids = int(parent), token_ids
+        return name
+
+    def __reduce__(self):  # pickle and copy build it again from what it hashed
+        return BlockName, (self.parent, self.token_ids)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[BlockName]:
     """Names of the full blocks of token_ids (a trailing partial block has none)."""
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        parent = BlockName(parent, tuple(token_ids[start : start + block_size]))
         hashes.append(parent)
     return hashes
+
+
+# What `PrefixCache.events` logs: ("stored", BlockName), ("removed", [names]), ("cleared",).
+CacheEvent = tuple
 
 
 class PrefixCache:
@@ -36,6 +61,9 @@ class PrefixCache:
         self._named = np.zeros(num_blocks, bool)
         self.queried_blocks = 0
         self.hit_blocks = 0
+        # When a list, every name stored and removed is appended to it (CacheEvent), in order, for
+        # whoever drains it; None (the default) logs nothing.
+        self.events: list[CacheEvent] | None = None
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -60,6 +88,8 @@ class PrefixCache:
             return False
         self._blocks[h] = block
         self._named[block] = True
+        if self.events is not None:
+            self.events.append(("stored", h))
         return True
 
     def evict(self, refcounts, n: int) -> list[int]:
@@ -71,6 +101,8 @@ class PrefixCache:
         victims = list(itertools.islice((h for h, b in self._blocks.items() if refcounts[b] == 1), n))
         blocks = [self._blocks.pop(h) for h in victims]
         self._named[blocks] = False
+        if self.events is not None and victims:
+            self.events.append(("removed", victims))
         return blocks
 
     def num_evictable(self, refcounts, keep: Iterable[int] = ()) -> int:
@@ -83,7 +115,13 @@ class PrefixCache:
         blocks = list(self._blocks.values())
         self._blocks.clear()
         self._named[:] = False
+        if self.events is not None:
+            self.events.append(("cleared",))
         return blocks
 
     def cached_ids(self) -> Iterable[int]:
         return self._blocks.values()
+
+    def names(self) -> Iterable[int]:
+        """The names of the blocks held, least recently used first."""
+        return self._blocks.keys()

@@ -24,6 +24,7 @@ import models
 from paged_jax.core import distributed
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.engine import LLMEngine
+from paged_jax.serving.kv_events import KVEventsConfig
 from paged_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
 from paged_jax.serving.tool_parsers import PARSERS
 
@@ -74,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2.5, Hermes) or "
                         "llama3_json (Llama 3.1's JSON)")
+    p.add_argument("--kv-events-config", help="vLLM's KV-cache events, as JSON: {\"enable_kv_cache_events\": true, "
+                   "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"\", \"replay_endpoint\": ...}")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     _add_engine_flags(p.add_argument_group("engine options (vLLM's names)"))
@@ -87,7 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             max_tokens_cap=args.max_tokens_cap, max_request_bytes=args.max_request_bytes,
             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, max_queue_time=args.max_queue_time,
             breaker_threshold=args.breaker_threshold, enable_auto_tool_choice=args.enable_auto_tool_choice,
-            tool_call_parser=args.tool_call_parser)
+            tool_call_parser=args.tool_call_parser,
+            kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None)
     except ValueError as e:
         p.error(str(e))
     return args

@@ -28,6 +28,7 @@ from paged_jax.serving.async_engine import AsyncLLMEngine, EngineDeadError, Queu
 from paged_jax.serving.dashboard import PATHS as DASHBOARD_PATHS
 from paged_jax.serving.guardrails import add_guardrails
 from paged_jax.core.engine import LLMEngine
+from paged_jax.serving.kv_events import KVEventDrain, KVEventsConfig
 from paged_jax.serving.metrics import PrometheusMetrics
 from paged_jax.serving.middleware import ApiKey, BodyLimit
 from paged_jax.serving.openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -64,6 +65,7 @@ class ServerConfig:
     # tool_choice "auto": the model's calls are read with this tool_parsers.PARSERS format.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config (kv_events.py)
 
     def __post_init__(self):
         for name in ("max_num_queued_reqs", "request_timeout", "max_tokens_cap", "max_request_bytes", "slo_ttft_ms",
@@ -90,9 +92,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        kv_events = KVEventDrain.start(engine, config.kv_events)
         async_engine = AsyncLLMEngine(engine, max_num_queued_reqs=config.max_num_queued_reqs,
                                       max_queue_time=config.max_queue_time,
-                                      stat_loggers=[metrics, *guardrails.stat_loggers])
+                                      stat_loggers=[metrics, *guardrails.stat_loggers, *filter(None, [kv_events])])
         guardrails.bind(async_engine)
         app.state.engine = async_engine
         app.state.serving = OpenAIServing(
@@ -104,6 +107,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         finally:
             # Run after uvicorn's grace period: whatever still runs ends with finish_reason "abort".
             await asyncio.to_thread(async_engine.shutdown)
+            if kv_events is not None:
+                kv_events.close()
 
     app = FastAPI(title="paged-jax", version=VERSION, lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions over the paged-jax engine.")

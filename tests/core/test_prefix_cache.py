@@ -100,3 +100,23 @@ def test_clear_hands_back_every_cached_block():
     cache = cache_of({11: 1, 12: 2, 13: 3})
     assert sorted(cache.clear()) == [1, 2, 3]
     assert len(cache) == 0 and cache.match([11]) == [] and cache.num_evictable(refcounts({1: 1})) == 0
+
+
+def test_a_name_keeps_what_it_hashed_and_is_its_plain_value():
+    x, y = block_hashes(X + Y, BS)
+    assert (x.parent, x.token_ids, y.parent, y.token_ids) == (0, tuple(X), x, tuple(Y))
+    assert y == hash((int(x), tuple(Y))) and {int(y): 1}[y] == 1  # the same name, and key, as a plain int
+
+
+def test_the_event_log_follows_stores_evictions_and_clears():
+    cache = PrefixCache(16)
+    assert cache.insert(7, 1) and cache.events is None  # nothing logged until someone asks
+    cache.events = []
+    x, y = block_hashes(X + Y, BS)
+    assert cache.insert(x, 2) and cache.insert(y, 3) and not cache.insert(x, 2)  # stored once, x used last
+    refcounts = np.ones(16, np.int32)
+    assert cache.evict(refcounts, 2) == [1, 3]
+    assert cache.evict(refcounts, 0) == []  # nothing evicted, nothing logged
+    cache.clear()
+    assert cache.events == [("stored", x), ("stored", y), ("removed", [7, y]), ("cleared",)]
+    assert list(cache.names()) == []
