@@ -65,6 +65,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="int8: the layers' weights in int8, activations quantized per token: a precision row")
     p.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
                    help="auto: the C++ kernel over packed weights for float32 on one CPU device, else XLA")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="schedule step N+1 while step N runs (auto: on a GPU, off on the CPU)")
 
 
 def parse_args(argv=None):
@@ -115,7 +117,8 @@ def make_engine(args) -> LLMEngine:
                                      max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                                      kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                                      matmul_backend=args.matmul_backend, kv_layout=args.kv_layout,
-                                     tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                                     tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                                     async_scheduling=getattr(args, "async_scheduling", "auto"))
 
 
 def workload_requests(args) -> tuple[dict, list[dict], list[SamplingParams]]:

@@ -11,7 +11,7 @@ configuration of each policy also runs through the real engine on N requests, to
 cost model is off. Requests come from make_workload.py (seeded); under every policy each request
 carries a priority in {0, 1, 2}, which only the priority policy reads.
 
-A replay runs the block pool in NumPy (host_pool.py). On this 2-core machine, busy with another job,
+A replay runs the block manager's host bookkeeping alone (replay.py). On this 2-core machine, busy with another job,
 
     time python scripts/compare_policies.py --out-dir /tmp/cp     # 288 configurations of 100 requests: 86 s
 

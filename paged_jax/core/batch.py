@@ -7,6 +7,7 @@ step's sampled tokens that the model call takes its id from, on the device.
 """
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -14,7 +15,7 @@ import numpy as np
 from kernels_pallas import AttentionMetadata
 from models import rope
 from paged_jax.core.buckets import StepBuckets, StepShape
-from paged_jax.core.scheduler import ScheduledSeq
+from paged_jax.core.scheduler_output import ScheduledSeq
 
 
 @jax.tree_util.register_dataclass
@@ -63,12 +64,14 @@ def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: St
     metadata = step.metadata
     rows = len(scheduled)
     ids, src, positions, slots, seq_lens, starts = [], [], [], [], [], []
-    tables = metadata.block_tables
+    # Every row's page table in one pass: the rows' block ids end to end, into a mask of their lengths.
+    lengths = np.fromiter((len(s.seq.block_ids) for s in scheduled), np.int32, rows)
+    blocks = np.fromiter(itertools.chain.from_iterable(s.seq.block_ids for s in scheduled), np.int32, lengths.sum())
+    metadata.block_tables[:rows][np.arange(metadata.block_tables.shape[1]) < lengths[:, None]] = blocks
     start = 0
-    for row, s in enumerate(scheduled):
+    for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
         begin, known, blocks = seq.num_computed_tokens, len(seq.token_ids), seq.block_ids
-        tables[row, : len(blocks)] = blocks
         starts.append(start)
         seq_lens.append(begin + n)
         if n == 1:

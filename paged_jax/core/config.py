@@ -1,6 +1,7 @@
 """Engine configuration: vLLM's option names where one exists, and what they resolve to at run time."""
 
 import dataclasses
+import logging
 from typing import Protocol
 
 import jax
@@ -11,6 +12,8 @@ from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, ch
 from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
 from paged_jax.core.buckets import StepBuckets
 from paged_jax.core.policy import POLICIES
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = (None, "int8")
@@ -145,6 +148,14 @@ class ResolvedConfig:
     @property
     def async_scheduling(self) -> bool:
         return self.scheduling.backend == "async"
+
+    def log(self) -> None:
+        """Say what runs, and why: the attention and matmul backends, the scheduling."""
+        # A fallback is slower by a wide margin: said where a user sees it, not only in the stats.
+        logger.log(logging.WARNING if self.attention.fallback else logging.INFO, "attention backend %s: %s",
+                   self.attention.backend, self.attention.reason)
+        logger.info("matmul backend %s: %s", self.matmul.backend, self.matmul.reason)
+        logger.info("scheduling %s: %s", self.scheduling.backend, self.scheduling.reason)
 
 
 class Device(Protocol):

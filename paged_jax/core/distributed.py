@@ -39,7 +39,9 @@ import zlib
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
+from models.sharding import make_mesh
 from paged_jax.core.buckets import bucket
 
 EXIT_GROUP_FAILED = 3
@@ -127,11 +129,13 @@ def is_follower() -> bool:
     return jax.process_count() > 1 and not is_leader()
 
 
-def check_mesh_size(size: int) -> None:
-    """In a group, the mesh must span every process's devices: each process then holds a share."""
+def engine_mesh(size: int) -> Mesh | None:
+    """The mesh an engine of tensor_parallel_size `size` splits its model over, or None on one device.
+    In a group it must span every process's devices: each process then holds a share."""
     if jax.process_count() > 1 and size != jax.device_count():
         raise ValueError(f"in a group of {jax.process_count()} processes the model is split over all their "
                          f"{jax.device_count()} devices: tensor_parallel_size must be {jax.device_count()}, not {size}")
+    return make_mesh(size) if size > 1 else None
 
 
 def agree(num_blocks: int, described: object) -> int:

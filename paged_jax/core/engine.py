@@ -16,13 +16,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
 import models
-from kernels_pallas.cpu import kernel as cpu_kernel
 from models.loader import shard_model
-from models.sharding import make_mesh
-from paged_jax.core import beam_search, compilation_cache, distributed, output_processor, structured_output, validation
+from paged_jax.core import (beam_search, compilation_cache, cpu_matmul, distributed, engine_stats, output_processor,
+                            structured_output, validation)
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig, default_device, default_dtype, resolve
 from paged_jax.core.engine_stats import EngineStats
@@ -32,7 +30,8 @@ from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.request import Request
 from paged_jax.core.sampling import SamplerOutput
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from paged_jax.core.scheduler import Scheduler
+from paged_jax.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.core.stop_checker import check_stop
 from paged_jax.core.validation import EngineLimits
@@ -53,13 +52,6 @@ class _InFlight(NamedTuple):
     sampled: SamplerOutput
 
 
-def _mesh(config: EngineConfig) -> Mesh | None:
-    """The mesh the engine splits the model over, or None on one device. In a group of processes
-    (distributed.py) it spans every process's devices."""
-    distributed.check_mesh_size(config.tensor_parallel_size)
-    return make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
-
-
 class LLMEngine:
     def __init__(self, model, model_config, tokenizer, config: EngineConfig | None = None):
         """model: of an architecture in models.registry, on the default device (where the engine runs), or
@@ -69,7 +61,7 @@ class LLMEngine:
         them (models/sharding.py); model_config is then the split model's (KV heads' copies counted).
         """
         self.config = config or EngineConfig()
-        mesh = _mesh(self.config)
+        mesh = distributed.engine_mesh(self.config.tensor_parallel_size)
         if mesh is not None:
             model = shard_model(model, mesh)
             model_config = dataclasses.replace(model_config, num_kv_heads=model.config.num_kv_heads)
@@ -82,13 +74,10 @@ class LLMEngine:
         if num_blocks != self.resolved.num_blocks:
             self.resolved = resolve(dataclasses.replace(self.config, num_blocks=num_blocks), model_config,
                                     default_device(), weights_dtype)
-        attention = self.resolved.attention
-        # A fallback is slower by a wide margin: said where a user sees it, not only in the stats.
-        logger.log(logging.WARNING if attention.fallback else logging.INFO, "attention backend %s: %s",
-                   attention.backend, attention.reason)
-        logger.info("matmul backend %s: %s", self.resolved.matmul_backend, self.resolved.matmul.reason)
+        self.resolved.log()
         if self.resolved.matmul_backend == "cpu":
-            model = model.pack_for_cpu(self.config.quantization, self._onednn_rows(model_config))
+            model = model.pack_for_cpu(self.config.quantization, cpu_matmul.onednn_rows(
+                self.config, model_config, self.resolved.buckets.token_buckets()))
         self.runner = ModelRunner(model, model_config, self.resolved, mesh)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
@@ -98,7 +87,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner,
                                    token_buckets=tuple(self.resolved.buckets.token_buckets()) if padding_costs else (),
                                    max_model_len=self.resolved.max_model_len)
-        logger.info("scheduling %s: %s", self.resolved.scheduling.backend, self.resolved.scheduling.reason)
         self._in_flight: _InFlight | None = None  # the step dispatched and not yet read (async scheduling)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
@@ -110,24 +98,6 @@ class LLMEngine:
         self.peak_slot_fill = 0.0
         self.num_batched_tokens = 0
 
-    def _onednn_rows(self, model_config) -> int:
-        """The fewest tokens from which a step's layer matmuls go through oneDNN (0: never), measured
-        here against the C++ matmul over the step sizes it can meet (kernel.onednn_min_rows)."""
-        if self.config.quantization is not None or not cpu_kernel.onednn_available():
-            logger.info("oneDNN matmul: not used (%s)", cpu_kernel.onednn_error() or "quantized weights")
-            return 0
-        c = model_config
-        shapes = ((c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
-                  (c.num_heads * c.head_dim, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
-                  (c.intermediate_size, c.hidden_size))
-        # Below 64 rows the C++ matmul, made for decode's few rows, has always been the faster.
-        buckets = self.resolved.buckets.token_buckets()
-        rows = cpu_kernel.onednn_min_rows(shapes, tuple(t for t in buckets if t >= 64))
-        logger.info("oneDNN matmul: %s", f"steps of {rows} tokens and more" if rows else "slower here at every size")
-        if rows:  # its primitives' code generated now, not in the middle of traffic
-            cpu_kernel.prepare_onednn(shapes, buckets[-1])
-        return rows
-
     @classmethod
     def from_pretrained(cls, model: str = models.DEFAULT_MODEL, config: EngineConfig | None = None,
                         **options) -> "LLMEngine":
@@ -136,7 +106,7 @@ class LLMEngine:
             raise TypeError("give either an EngineConfig or its fields as keywords, not both")
         config = config or EngineConfig(**options)
         dtype = default_dtype(default_device().platform) if config.dtype == "auto" else config.dtype
-        loaded = models.load_model(model, dtype=jnp.dtype(dtype), mesh=_mesh(config))
+        loaded = models.load_model(model, dtype=jnp.dtype(dtype), mesh=distributed.engine_mesh(config.tensor_parallel_size))
         return cls(loaded.model, loaded.config, loaded.tokenizer, config)
 
     # The surface a front end uses: limits, add (checked), abort, step, stats.
@@ -201,12 +171,11 @@ class LLMEngine:
         SamplingParams.output_kind asks: a FINAL_ONLY request has one, when it finishes).
 
         Under asynchronous scheduling (EngineConfig.async_scheduling) the engine runs one step ahead:
-        a step dispatches the next model call before it reads the previous one's samples, so the
-        host's work (reading, detokenizing, stop checks, outputs, then scheduling and building the
-        next step) happens while the device computes. A sequence whose token is still on the device
-        is scheduled with a placeholder the device fills in (batch.py); one that the token ends has
-        had one row computed for nothing, which is dropped. Steps with a constrained or beam-search
-        sequence running read the previous samples first: their masks and beams need the tokens.
+        it dispatches the next model call before it reads the previous one's samples, so the host's
+        work happens while the device computes. A sequence whose token is still on the device is
+        scheduled with a placeholder the device fills in (batch.py); if that token ends it, the row
+        computed after it is dropped. While a constrained or beam-search sequence runs, the previous
+        samples are read first: masks and beams need the tokens.
 
         If anything in a step fails (a bug, an input no check caught), step() does not raise: the
         error is logged, and the requests in the step end at once with their blocks freed, each with a
@@ -280,7 +249,7 @@ class LLMEngine:
                 request.first_scheduled_time = start
         samples = [s.samples for s in scheduled]  # before the counts below move on
         sampled = self.runner.dispatch(scheduled, out.copies)
-        self._track_peak(scheduled)
+        engine_stats.track_peak(self, scheduled)
         for row, (s, sample) in enumerate(zip(scheduled, samples)):
             s.seq.num_computed_tokens += s.num_new_tokens
             if sample:
@@ -306,8 +275,10 @@ class LLMEngine:
                 seq.beam_candidates = list(zip(sampled.top_ids[row, :width].tolist(), sampled.top_logprobs[row, :width].tolist()))
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-            else:
-                self._append_token(request, seq, sampled, row, now)
+            elif (reason := output_processor.append_token(request, seq, sampled, row, now, self._stop)) is not None:
+                seq.finish_reason, seq.stop_reason = reason
+                seq.finish_time = now
+                self.scheduler.finish(seq)
         outputs = []
         for request in touched.values():
             if request.params.use_beam_search and all(b.beam_candidates is not None for b in request.seqs):
@@ -321,50 +292,9 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _track_peak(self, scheduled: list[ScheduledSeq]) -> None:
-        """Peak blocks held by sequences, and the share of their slots holding real tokens."""
-        in_use = self.blocks.num_blocks - 1 - self.blocks.num_free - self.blocks.num_evictable
-        if in_use > self.peak_blocks_in_use:
-            self.peak_blocks_in_use = in_use
-            held = sum(s.num_new_tokens for s in scheduled) + sum(s.num_computed_tokens for s in self.scheduler.running)
-            self.peak_slot_fill = held / (in_use * self.resolved.block_size)
-
-    def _append_token(self, request: Request, seq: Sequence, sampled, row: int, now: float) -> None:
-        token = int(sampled.tokens[row])
-        seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if seq.params.logprobs is not None:
-            entry = {token: float(sampled.logprobs[row])}
-            for tid, lp in zip(sampled.top_ids[row, : seq.params.logprobs], sampled.top_logprobs[row, : seq.params.logprobs]):
-                entry.setdefault(int(tid), float(lp))
-            seq.logprobs.append(entry)
-            # Only then does the sampler compute logprobs (sampling.py); vLLM's rule too.
-            seq.cumulative_logprob += float(sampled.logprobs[row])
-        text = request.sample(seq).text
-        text.add(token)
-        reason = self.gate.refusal(seq, token) or check_stop(seq, token, text, self.eos_token_ids,
-                                                             self.resolved.max_model_len)
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason
-            seq.finish_time = now
-            self.scheduler.finish(seq)
+    def _stop(self, seq: Sequence, token: int, text) -> tuple[str, int | str | None] | None:
+        return self.gate.refusal(seq, token) or check_stop(seq, token, text, self.eos_token_ids,
+                                                           self.resolved.max_model_len)
 
     def stats(self) -> EngineStats:
-        cache, blocks = self.blocks.cache, self.blocks
-        waiting = len({seq.request_id for seq in self.scheduler.waiting} | self.gate.request_ids)
-        return EngineStats(
-            num_running_requests=len(self._requests) - waiting, num_waiting_requests=waiting,
-            num_blocks=blocks.num_blocks - 1, num_free_blocks=blocks.num_free, num_cached_blocks=blocks.num_evictable,
-            block_size=self.resolved.block_size,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_compiles=self.runner.num_compiles,
-            device_seconds=self.runner.device_seconds,
-            peak_blocks_in_use=self.peak_blocks_in_use,
-            prefix_cache_hit_blocks=cache.hit_blocks if cache else 0,
-            prefix_cache_queried_blocks=cache.queried_blocks if cache else 0,
-            attention_backend=self.resolved.attention.backend,
-            attention_backend_reason=self.resolved.attention.reason,
-            matmul_backend=self.resolved.matmul.backend,
-            matmul_backend_reason=self.resolved.matmul.reason,
-            num_batched_tokens=self.num_batched_tokens)
+        return engine_stats.snapshot(self)

@@ -15,7 +15,7 @@ class EngineStats:
     block_size: int
     num_preemptions: int
     num_compiles: int  # programs the runner compiled (core/compiles.py counts the whole process's)
-    device_seconds: float  # waiting for steps to come back from the device, so far
+    device_seconds: float  # dispatching steps and waiting for their samples, so far
     peak_blocks_in_use: int
     prefix_cache_hit_blocks: int
     prefix_cache_queried_blocks: int
@@ -24,3 +24,36 @@ class EngineStats:
     matmul_backend: str
     matmul_backend_reason: str
     num_batched_tokens: int  # tokens run through the model so far (prompt chunks and decodes)
+
+
+def track_peak(engine, scheduled) -> None:
+    """Peak blocks held by sequences, and the share of their slots holding real tokens, with a step's
+    scheduled sequences (scheduler.ScheduledSeq) counted."""
+    blocks = engine.blocks
+    in_use = blocks.num_blocks - 1 - blocks.num_free - blocks.num_evictable
+    if in_use > engine.peak_blocks_in_use:
+        engine.peak_blocks_in_use = in_use
+        held = sum(s.num_new_tokens for s in scheduled) + sum(s.num_computed_tokens for s in engine.scheduler.running)
+        engine.peak_slot_fill = held / (in_use * engine.resolved.block_size)
+
+
+def snapshot(engine) -> EngineStats:
+    """engine: an LLMEngine; its stats() now."""
+    cache, blocks, scheduler = engine.blocks.cache, engine.blocks, engine.scheduler
+    waiting = len({seq.request_id for seq in scheduler.waiting} | engine.gate.request_ids)
+    resolved = engine.resolved
+    return EngineStats(
+        num_running_requests=engine.num_unfinished_requests - waiting, num_waiting_requests=waiting,
+        num_blocks=blocks.num_blocks - 1, num_free_blocks=blocks.num_free, num_cached_blocks=blocks.num_evictable,
+        block_size=resolved.block_size,
+        num_preemptions=scheduler.num_preemptions,
+        num_compiles=engine.runner.num_compiles,
+        device_seconds=engine.runner.device_seconds,
+        peak_blocks_in_use=engine.peak_blocks_in_use,
+        prefix_cache_hit_blocks=cache.hit_blocks if cache else 0,
+        prefix_cache_queried_blocks=cache.queried_blocks if cache else 0,
+        attention_backend=resolved.attention.backend,
+        attention_backend_reason=resolved.attention.reason,
+        matmul_backend=resolved.matmul.backend,
+        matmul_backend_reason=resolved.matmul.reason,
+        num_batched_tokens=engine.num_batched_tokens)

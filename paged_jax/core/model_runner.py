@@ -17,7 +17,6 @@ The methods that touch the device take host arrays only and are `distributed.rep
 of processes (many hosts), the leader's call is made on every follower too, each on its own shards.
 """
 
-import dataclasses
 import functools
 import time
 
@@ -28,14 +27,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
-from kernels_pallas.layout import get_pages, set_pages
 from models import rope, sharding
-from paged_jax.core import distributed, packing, sampling, structured_output
+from paged_jax.core import distributed, kv_blocks, packing, sampling, structured_output
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.config import ResolvedConfig
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.core.scheduler import ScheduledSeq
+from paged_jax.core.scheduler_output import ScheduledSeq
 
 # Blocks per swap transfer: a sequence's blocks move in several calls of this one shape.
 SWAP_BLOCKS = 16
@@ -98,41 +96,6 @@ def sample_step(graph: ModelGraph, weights: tuple[jax.Array, ...], hidden: jax.A
     return sampled, jnp.zeros(hidden.shape[0], jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens)
 
 
-@functools.partial(jax.jit, donate_argnames=("kv_cache",))
-def copy_blocks(kv_cache: KVCache, copies: jax.Array, num_copies: jax.Array) -> KVCache:
-    """Copy whole blocks src -> dst in every layer, for the first num_copies (int32 []) rows (src, dst)
-    of copies: int32 [n, 2], one after another. The block axis comes first in every layout, so this
-    copies whole blocks in any."""
-    def one(i, cache: KVCache) -> KVCache:
-        src, dst = copies[i, 0], copies[i, 1]
-        # As 16-bit integers for bfloat16 pages (layout.py): XLA's CPU backend would convert the pool.
-        copy = lambda pages: set_pages(pages, dst[None], get_pages(pages, src[None]))
-        return dataclasses.replace(cache, k=tuple(map(copy, cache.k)), v=tuple(map(copy, cache.v)))
-    return jax.lax.fori_loop(0, num_copies, one, kv_cache)
-
-
-@functools.partial(jax.jit, donate_argnames=("kv_cache",))
-def _write_every_page(kv_cache: KVCache) -> KVCache:
-    """Zeros into every page, in place. A pool allocated unwritten (kernels_pallas.allocate_pages) is
-    mapped by the OS block by block as steps first write it, at a fault per 4 kB page (about 5 us on the
-    2-core VMs, some 15 ms of a 277-token prompt's first step); written once before traffic, it is not."""
-    zeros = lambda pages: tuple(jnp.zeros_like(p) for p in pages)
-    return dataclasses.replace(kv_cache, k=zeros(kv_cache.k), v=zeros(kv_cache.v))
-
-
-@jax.jit
-def _read_blocks(kv_cache: KVCache, ids: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
-    return [get_pages(k, ids) for k in kv_cache.k], [get_pages(v, ids) for v in kv_cache.v]
-
-
-@functools.partial(jax.jit, donate_argnames=("kv_cache",))
-def _write_blocks(kv_cache: KVCache, ids: jax.Array, k: tuple, v: tuple) -> KVCache:
-    """ids: int32 [n], out of range = skip; k[l], v[l]: layer l's blocks [n, ...] in the cache's layout
-    (as swap_out read them)."""
-    put = lambda pages, new: set_pages(pages, ids, new)
-    return dataclasses.replace(kv_cache, k=tuple(map(put, kv_cache.k, k)), v=tuple(map(put, kv_cache.v, v)))
-
-
 class ModelRunner:
     def __init__(self, model, model_config, resolved: ResolvedConfig, mesh: Mesh | None = None):
         """mesh: what the model is split over (tensor parallelism); the KV cache is split over it too."""
@@ -175,7 +138,8 @@ class ModelRunner:
     def num_compiles(self) -> int:
         """Programs of the step's calls (model, sampler, block copies, swaps) compiled or loaded so far,
         for any runner of this process (counts recompiles). compiles.count() counts every program."""
-        return sum(f._cache_size() for f in (step, sample_step, copy_blocks, _read_blocks, _write_blocks))
+        return sum(f._cache_size() for f in (step, sample_step, kv_blocks.copy_blocks, kv_blocks.read_blocks,
+                                                kv_blocks.write_blocks))
 
     def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
@@ -208,11 +172,17 @@ class ModelRunner:
         guides = [s.seq.guide if s.samples else None for s in scheduled]
         step_input = build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets, self._rope_freq)
         # A pending token counts as generated (the sampler's step, min_tokens) and, under penalties, is
-        # read into the history on the device.
-        output_ids = [s.output_token_ids + [sampling.PENDING] * s.num_pending for s in seqs]
+        # read into the history on the device. Without penalties only the counts are read: ranges of
+        # the right length, not copies of every sequence's tokens every step.
+        params = [s.params for s in seqs]
+        if any(p.uses_penalties for p in params):
+            prompt_ids = [s.token_ids[: s.num_prompt_tokens] for s in seqs]
+            output_ids = [s.output_token_ids + [sampling.PENDING] * s.num_pending for s in seqs]
+        else:
+            prompt_ids, output_ids = [()] * len(seqs), [range(s.num_output_tokens + s.num_pending) for s in seqs]
         return step_input, self._sampling_tensors(
-            [s.params for s in seqs], [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs],
-            [s.token_ids[: s.num_prompt_tokens] for s in seqs], output_ids, guides, [s.sample_row for s in seqs])
+            params, [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs], prompt_ids, output_ids, guides,
+            [s.sample_row for s in seqs])
 
     def _sampling_tensors(self, params, seeds, prompt_ids, output_ids, guides=(),
                           pending_rows=()) -> sampling.SamplingTensors:
@@ -250,7 +220,7 @@ class ModelRunner:
         width = self.resolved.buckets.num_head_rows  # a step makes at most one copy per sequence
         for i in range(0, len(copies), width):
             chunk = copies[i : i + width]
-            self.kv_cache = copy_blocks(self.kv_cache, np.pad(chunk, ((0, width - len(chunk)), (0, 0))),
+            self.kv_cache = kv_blocks.copy_blocks(self.kv_cache, np.pad(chunk, ((0, width - len(chunk)), (0, 0))),
                                         np.int32(len(chunk)))
         args, keywords = self._step_args(step_input)
         hidden, self.kv_cache = step(*args, **keywords)
@@ -261,21 +231,21 @@ class ModelRunner:
         """Make every program a step can run (buckets.py): each model-call shape, each sampler row count
         with and without penalties, greedy and drawing at random, a block copy and a swap each way, all
         on padding: no token is written, the only block copied is the null block onto itself,
-        swapped-in blocks land nowhere. First every page of the KV cache is written once (_write_every_page)."""
+        swapped-in blocks land nowhere. First every page of the KV cache is written once (kv_blocks.write_every_page)."""
         if self.mesh is None and self.resolved.platform == "cpu":  # the one pool allocated unwritten (_new_kv_cache)
-            self.kv_cache = _write_every_page(self.kv_cache)
+            self.kv_cache = kv_blocks.write_every_page(self.kv_cache)
         buckets = self.resolved.buckets
         samplers = [self._sampling_tensors([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
                     for rows in buckets.all_sample_rows()
                     for params in (SamplingParams(temperature=0), SamplingParams(),
                                    SamplingParams(temperature=0, repetition_penalty=1.1),
                                    SamplingParams(repetition_penalty=1.1))]
-        # A whole step first: the sampled tokens a step hands the next are then as every later step gets
-        # them (their sharding is part of each program's signature).
-        self.collect(self.dispatch_step(np.zeros((1, 2), np.int32), self._padding_step(buckets.shapes()[0]),
-                                        samplers[0]))
         for i, shape in enumerate(buckets.shapes()):
             self.warm_step(self._padding_step(shape), samplers if i == 0 else [])
+        # The step's previous tokens are a sample_step output from here on; warm_step ran on the first
+        # ones (_previous), placed where those outputs are, so no program is made twice.
+        self.collect(self.dispatch_step(np.zeros((1, 2), np.int32), self._padding_step(buckets.shapes()[0]),
+                                        samplers[0]))
         self.swap_in(self.swap_out([0]), [self.resolved.num_blocks])
 
     def _padding_step(self, shape) -> StepInput:
@@ -312,10 +282,10 @@ class ModelRunner:
     @distributed.replicated
     def read_blocks(self, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """ids: int32 [SWAP_BLOCKS] -> each layer's K and V blocks [SWAP_BLOCKS, ...], on the host."""
-        return distributed.to_host(_read_blocks(self.kv_cache, ids))
+        return distributed.to_host(kv_blocks.read_blocks(self.kv_cache, ids))
 
     @distributed.replicated
     def write_blocks(self, ids: np.ndarray, k: tuple, v: tuple) -> None:
         """ids: int32 [SWAP_BLOCKS], out of range = skip; k[l], v[l]: layer l's blocks [SWAP_BLOCKS, ...]
         (as read_blocks gives them)."""
-        self.kv_cache = _write_blocks(self.kv_cache, ids, k, v)
+        self.kv_cache = kv_blocks.write_blocks(self.kv_cache, ids, k, v)

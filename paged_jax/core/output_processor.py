@@ -1,9 +1,12 @@
-"""RequestOutputs from the engine's records of requests, as each request's output_kind asks.
+"""A step's samples into the engine's records of requests (append_token), and RequestOutputs from
+those records, as each request's output_kind asks.
 
 A DELTA output costs what is new since the previous one; a FINAL_ONLY request costs nothing until it
 finishes, then its whole text once; a CUMULATIVE output copies everything so far, as it must. Beam
 search outputs are decoded whole: its beams are reordered and replaced as the search goes.
 """
+
+from collections.abc import Callable
 
 from paged_jax.core import beam_search
 from paged_jax.core.detokenizer import decode
@@ -28,6 +31,27 @@ def request_output(request: Request, now: float) -> RequestOutput | None:
     metrics = _metrics(request, max(last) if finished and last else None,
                        max(s.num_output_tokens for s in request.seqs))
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, metrics)
+
+
+def append_token(request: Request, seq: Sequence, sampled, row: int, now: float,
+                 stop: Callable[[Sequence, int, object], tuple[str, int | str | None] | None]
+                 ) -> tuple[str, int | str | None] | None:
+    """Take seq's token from row `row` of a step's samples (numpy SamplerOutput): its id, logprobs and
+    text; returns (finish_reason, stop_reason) once `stop(seq, token, text)` says it is done."""
+    token = int(sampled.tokens[row])
+    seq.token_ids.append(token)
+    if seq.first_token_time is None:
+        seq.first_token_time = now
+    if seq.params.logprobs is not None:
+        entry = {token: float(sampled.logprobs[row])}
+        for tid, lp in zip(sampled.top_ids[row, : seq.params.logprobs], sampled.top_logprobs[row, : seq.params.logprobs]):
+            entry.setdefault(int(tid), float(lp))
+        seq.logprobs.append(entry)
+        # Only then does the sampler compute logprobs (sampling.py); vLLM's rule too.
+        seq.cumulative_logprob += float(sampled.logprobs[row])
+    text = request.sample(seq).text
+    text.add(token)
+    return stop(seq, token, text)
 
 
 def failed_output(request: Request, error: Exception, now: float) -> RequestOutput:

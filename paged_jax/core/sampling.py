@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.core.penalties import apply_penalties
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _BITS = 32  # tokens per word of the ban mask
@@ -248,31 +249,6 @@ def argmax(logits: jax.Array) -> jax.Array:
     block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
     within = jnp.argmax(jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0], axis=-1)
     return (block * _ARGMAX_BLOCK + within).astype(jnp.int32)
-
-
-def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """vLLM's penalties. logits: f32 [S, V] -> f32 [S, V].
-
-    Repetition divides positive logits and multiplies the others of every token seen in the prompt
-    or the output; presence subtracts once and frequency once per occurrence, counting the output
-    only.
-    """
-    vocab = logits.shape[-1]
-    in_output_part = jnp.arange(t.history.shape[1])[None, :] >= t.num_prompt_ids[:, None]
-    output_counts = _bin_counts(jnp.where(in_output_part, t.history, -1), vocab)
-    in_output = output_counts > 0
-    seen = in_output | (_bin_counts(t.history, vocab) > 0)
-    repetition = jnp.where(seen, t.repetition_penalty[:, None], 1.0)
-    logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
-    logits = logits - t.frequency_penalty[:, None] * output_counts
-    return logits - t.presence_penalty[:, None] * in_output
-
-
-def _bin_counts(ids: jax.Array, vocab: int) -> jax.Array:
-    """ids: int32 [S, L], -1 padded -> int32 [S, vocab], occurrences of each id in its row."""
-    # -1 would wrap to the last token; out of range instead, for the scatter's mode="drop" to skip.
-    rows, cols = jnp.arange(ids.shape[0])[:, None], jnp.where(ids < 0, vocab, ids)
-    return jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, cols].add(1, mode="drop")
 
 
 def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:

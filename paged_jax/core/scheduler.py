@@ -10,17 +10,14 @@ Each step the scheduler
    under FCFS nothing starves).
 
 A step schedules at most max_num_seqs sequences (forks of n > 1 may make more run: the rest wait a
-step). Prompts are held back for latency (with chunked prefill): while sequences decode and no
-backlog has built up, a step carries prompt tokens up to long_prefill_token_threshold tokens in all
-(at least 3 per decode, so that prompts keep coming in as fast as requests finish), so that a decode
-waits for a short step and not for a whole long prompt; and a prompt that cannot finish in this step
-is admitted only while fewer than max_num_partial_prefills prompts are part-way through theirs. Two
-rules keep that from costing first tokens more than it spares decodes (step_budget.py): a prompt
-only a little over the cap finishes in its step rather than leave its last tokens a step of their
-own, and a long prompt does not join a step in which another prompt ends (it would delay that one's
-first token by its whole length). Each part-way prompt still gets the prompt tokens first in its turn,
-so it finishes. Given the engine's token buckets, a prompt chunk is cut where that makes its step fill
-a bucket instead of padding up to the next (step_budget.fit_bucket).
+step). Prompts are held back for latency while sequences decode (step_budget.py: a share of the step's
+tokens, no last few prompt tokens left a step of their own, no first token held back for another
+prompt's), a prompt that cannot finish in this step is admitted only while fewer than
+max_num_partial_prefills are part-way through theirs (each still gets its tokens first in its turn, so
+it finishes), and given the engine's token buckets a prompt chunk is cut to fill its step's bucket.
+
+A sequence whose last token is still on the device (asynchronous scheduling, engine.py) counts it
+(Sequence.num_pending) and is scheduled past it; one that the token is certain to end by length is not.
 
 Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
 generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
@@ -40,6 +37,7 @@ from typing import Protocol
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.policy import sort_key
+from paged_jax.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_jax.core.sequence import Sequence, Status
 from paged_jax.core.step_budget import StepBudget, fit_bucket, prompt_cap
 
@@ -48,31 +46,6 @@ class KVSwapper(Protocol):
     def swap_out(self, block_ids: list[int]) -> object: ...
 
     def swap_in(self, saved: object, block_ids: list[int]) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the sequence's last known token, so its next one is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    # KV block copies (source, destination) to make before the step: copy-on-write of shared blocks.
-    copies: list[tuple[int, int]]
-    preempted: list[Sequence]
-    # Samples created this step by forking a request with n > 1.
-    forked: list[Sequence]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:

@@ -225,3 +225,34 @@ def test_vmap_runs_independent_pools(first, second, masks):
     _, ids2, _ = run_both(batched_allocate, lambda p, n: bp.allocate(p, n, MAX_N), jnp.array(second))
     run_both(batched_copy_on_write, bp.copy_on_write, jnp.where(mask, ids, -1))
     run_both(batched_free, bp.free, jnp.concatenate([ids, ids2], axis=1))
+
+
+def test_apply_log_replays_operations_as_one_call():
+    """A stretch of allocate / free / share, applied one op at a time, gives the pool that apply_log
+    gives from their log (blocks released, blocks taken, final counts) in one call: on a full pool,
+    a block taken then released (the ring must not overflow) and one released then taken again."""
+    pool = bp.init_pool(NUM_BLOCKS)
+    pool, first, _ = bp.allocate(pool, jnp.int32(NUM_BLOCKS - 1), MAX_N + 3)
+    before = pool
+    step = pool
+    step, _ = bp.free(step, padded([3, 4]))  # pushes 3, 4
+    step, taken, _ = bp.allocate(step, jnp.int32(1), MAX_N)  # takes 3 again
+    step, _ = bp.share(step, padded([5]))
+    step, _ = bp.free(step, padded([5, 5, 7]))  # 5 and 7 go
+    taken = [int(x) for x in taken[:1]]
+    touched = [3, 4, 5, 7]
+    counts = [int(np.asarray(step.refcounts)[b]) for b in touched]
+    replayed, ok = bp.apply_log(before, padded([3, 4, 5, 7]), padded(taken), padded(touched), padded(counts))
+    assert bool(ok) and taken == [3]
+    assert_same(replayed, step)
+
+
+def test_apply_log_refuses_a_log_the_queue_disagrees_with_and_changes_nothing():
+    pool = bp.init_pool(NUM_BLOCKS)
+    # The queue hands out 1 first; a log that says 2 is a bookkeeping bug.
+    replayed, ok = bp.apply_log(pool, padded([]), padded([2]), padded([2]), padded([1]))
+    assert not bool(ok)
+    assert_same(replayed, pool)
+    # In the queue's order it is taken.
+    replayed, ok = bp.apply_log(pool, padded([]), padded(range(1, K + 1)), padded([]), padded([]))
+    assert bool(ok) and int(replayed.num_free) == NUM_BLOCKS - 1 - K

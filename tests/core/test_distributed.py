@@ -23,7 +23,9 @@ import tensor_parallel_run as tp  # noqa: E402
 from paged_jax.core.distributed import EXIT_GROUP_FAILED  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-TIMEOUT = 30  # the group's: to join, for one operation, of silence
+# The group's: to join, for one operation, of silence. It also bounds how long one process waits for the
+# other to build its engine, which on a busy 2-core machine took over 30 s.
+TIMEOUT = 120
 RUNS = {"kv2-tp4": "kv2-tp1", "kv2-tp4-swap": "kv2-tp1-swap"}  # run of the group -> its one-process twin
 
 

@@ -167,12 +167,13 @@ def test_outputs_report_timing_and_logprobs(tiny, prompts):
     assert out.metrics.time_to_first_token > 0 and out.metrics.time_per_output_token > 0
 
 
-def test_engine_says_which_attention_backend_runs(tiny, caplog):
-    with caplog.at_level("INFO", logger="paged_jax.core.engine"):
+def test_engine_says_which_attention_backend_runs_and_how_it_schedules(tiny, caplog):
+    with caplog.at_level("INFO", logger="paged_jax.core.config"):
         engine = make_engine(tiny, block_size=8, num_blocks=64)
     stats = engine.stats()
     assert (stats.attention_backend, stats.attention_backend_reason) == ("cpu", "the C++ kernel for float32 on the CPU")
     assert "attention backend cpu: the C++ kernel for float32 on the CPU" in caplog.messages
+    assert f"scheduling sync: {engine.resolved.scheduling.reason}" in caplog.messages
     stats = make_engine(tiny, block_size=8, num_blocks=64, dtype="bfloat16").stats()
     assert (stats.attention_backend, stats.attention_backend_reason) == ("xla", "the CPU kernel takes float32, not bfloat16")
 

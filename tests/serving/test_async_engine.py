@@ -104,7 +104,7 @@ def test_timeout_ends_the_request_and_frees_its_blocks(engine, recorder):
     try:
         out = asyncio.run(run())
     finally:
-        del engine.engine.runner.execute
+        del engine.engine.runner.dispatch
     assert out.finished and out.outputs[0].finish_reason == "timeout"
     assert len(out.outputs[0].token_ids) < LONG.max_tokens
     assert [f.finish_reason for f in recorder.finished].count("timeout") == 1

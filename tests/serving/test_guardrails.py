@@ -138,8 +138,8 @@ def test_failing_steps_open_the_breaker_and_a_healthy_probe_closes_it(tiny_chat_
     with server as url:
         assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=TIMEOUT).status_code == 200
         runner = engine.engine.engine.runner
-        healthy = runner.execute
-        runner.execute = fail_on_host
+        healthy = runner.dispatch
+        runner.dispatch = fail_on_host
         for _ in range(2):
             r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=TIMEOUT)
             assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
@@ -152,7 +152,7 @@ def test_failing_steps_open_the_breaker_and_a_healthy_probe_closes_it(tiny_chat_
         assert m["paged_jax:circuit_breaker_open"] == 1 and m["paged_jax:circuit_breaker_trips_total"] == 1
         assert m['paged_jax:request_rejected_total{cause="circuit_open"}'] == 1
 
-        runner.execute = healthy
+        runner.dispatch = healthy
         assert httpx.get(f"{url}/ready", timeout=TIMEOUT).status_code == 200
         assert metrics(url)["paged_jax:circuit_breaker_open"] == 0
         assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=TIMEOUT).status_code == 200
