@@ -30,13 +30,14 @@ __all__ = ["AsyncLLM", "AsyncLLMEngine", "EngineDeadError", "EngineStepError", "
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, max_num_queued_reqs: int | None = None,
                  max_queue_time: float | None = None, stat_loggers: Sequence[StatLogger] = (),
-                 warm_up: bool = True):
+                 warm_up: bool = True, probe_prefill: bool = False):
         """max_num_queued_reqs: how many requests may wait for admission; add_request raises
         QueueFullError beyond it (None: no limit). A request counts as waiting once the requests ahead
         of it fill max_num_seqs, so a burst into an idle engine is not refused. max_queue_time: seconds
         a request may wait for its first admission; then it ends with finish_reason "queue_timeout".
         warm_up: the loop first makes every program a step can run (core/warmup.py) and is ready after;
-        requests that come sooner wait for it."""
+        requests that come sooner wait for it. probe_prefill: after the warm-up, time one full prefill step
+        (prefill_clock.py) and hand it to the stat loggers as the first iteration, before ready."""
         if max_num_queued_reqs is not None and max_num_queued_reqs < 0:
             raise ValueError(f"max_num_queued_reqs must be >= 0, got {max_num_queued_reqs}")
         if max_queue_time is not None and max_queue_time <= 0:
@@ -47,7 +48,7 @@ class AsyncLLMEngine:
         # Structured outputs' compiler (thread-safe): a front end compiles a request's constraint before
         # adding it, to refuse one that does not compile; the engine then finds it cached.
         self.grammars = engine.gate.compiler
-        self._loop = EngineLoop(engine, max_num_queued_reqs, max_queue_time, stat_loggers, warm_up)
+        self._loop = EngineLoop(engine, max_num_queued_reqs, max_queue_time, stat_loggers, warm_up, probe_prefill)
 
     @classmethod
     def from_pretrained(cls, model: str = DEFAULT_MODEL, *, max_num_queued_reqs: int | None = None,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from paged_jax.core import warmup
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.outputs import RequestOutput
+from paged_jax.serving import prefill_clock
 from paged_jax.serving.loop_commands import Abort, Add, Call, EngineDeadError, EngineStepError, QueueFullError
 from paged_jax.serving.request_stream import RequestStream, engine_params, post, reply, settle
 from paged_jax.serving.stats import (FinishedRequestStats, IterationStats, RequestTally, SchedulerStats, StatLogger,
@@ -43,8 +44,8 @@ class _Live:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, max_num_queued_reqs: int | None, max_queue_time: float | None,
-                 stat_loggers: Sequence[StatLogger], warm_up: bool):
-        """max_num_queued_reqs, max_queue_time, warm_up: see AsyncLLMEngine."""
+                 stat_loggers: Sequence[StatLogger], warm_up: bool, probe_prefill: bool = False):
+        """max_num_queued_reqs, max_queue_time, warm_up, probe_prefill: see AsyncLLMEngine."""
         self.engine = engine
         self.max_num_queued_reqs = max_num_queued_reqs
         self.max_queue_time = max_queue_time
@@ -60,6 +61,7 @@ class EngineLoop:
         self._iteration = IterationStats()
         self.stopping = False
         self._warm_up = warm_up
+        self._probe_prefill = probe_prefill
         self.warmed = threading.Event()
         self._engine_stats = engine.stats()
         self.scheduler_stats: SchedulerStats = self._scheduler_stats()
@@ -106,6 +108,8 @@ class EngineLoop:
         try:
             if self._warm_up:
                 warmup.warm_up(self.engine)
+                if self._probe_prefill:  # the probe's step is the first iteration the loggers see
+                    self._iteration.step_time, _ = prefill_clock.probe(self.engine)
                 self._publish()  # the warm-up's programs, counted before anything else runs
             self.warmed.set()
             while self._take_commands(idle_wait if self.engine.has_unfinished_requests() else None):

@@ -151,16 +151,18 @@ class OpenAIBase:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options needs stream set to true", "stream_options")
         timeout = self._timeout(request)
-        admission = None if self.guard is None else self.guard.admit(request, len(prompts))
+        admission = None if self.guard is None else self.guard.admit(request, [len(p.token_ids) for p in prompts])
         streams = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 stream = await self.engine.add_request(prompt.token_ids, p, f"{response_id}-{i}", timeout=timeout,
                                                        priority=request.priority)
-                streams.append(stream if admission is None else admission.watch(stream))
+                streams.append(stream if admission is None else admission.watch(stream, len(prompt.token_ids)))
         except BaseException as e:
             for stream in streams:
                 stream.close()
+            if admission is not None:
+                admission.release()
             if isinstance(e, RequestError):
                 raise refused(e) from e
             raise

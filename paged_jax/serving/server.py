@@ -95,6 +95,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         kv_events = KVEventDrain.start(engine, config.kv_events)
         async_engine = AsyncLLMEngine(engine, max_num_queued_reqs=config.max_num_queued_reqs,
                                       max_queue_time=config.max_queue_time,
+                                      probe_prefill=config.slo_ttft_ms is not None,
                                       stat_loggers=[metrics, *guardrails.stat_loggers, *filter(None, [kv_events])])
         guardrails.bind(async_engine)
         app.state.engine = async_engine

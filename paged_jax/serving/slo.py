@@ -7,15 +7,21 @@ their time to first token refused before they queue.
 - Goodput: requests that finished (stop or length) within every objective they had, the count that
   `vllm bench serve --goodput` reports, in `paged_jax:slo_goodput_total`; misses in
   `paged_jax:slo_violations_total{objective}`. TTFT runs from the request's admission here.
-- Admission: a new request's predicted wait in the queue is (its place in the line) / (service rate),
-  the service rate being requests served (finished with stop or length) per second while the engine
-  was full (every sequence slot taken, or requests waiting: then finishes are what lets the line
-  move), decayed over about half a minute. Slots kept full count even when admission keeps the queue
-  empty, so that a rate measured low (in steps that compiled, say) is measured again. When that wait
-  exceeds the request's TTFT objective it gets 429 with `Retry-After` = predicted wait - objective,
-  rounded up: by then, at that rate, the line ahead of it is short enough. Before the first such
-  measurement, everything is admitted. The place in the line counts requests beyond max_num_seqs;
-  where the pool, not max_num_seqs, holds the queue back, the prediction is short by those.
+- Admission: a new request's time to first token is predicted two ways, and the longer counts:
+  - by the work ahead of it, in tokens: the prompt tokens of the requests admitted that have no first
+    token yet, and its own, at the cost of a prompt token (prefill_clock.py: measured by a probe step
+    right after the warm-up, so it holds for a replica that has served nothing, then refined from
+    the steps the engine runs). This is what sheds a burst on a cold replica.
+  - by the line for sequence slots: (its place in the line) / (service rate), the service rate being
+    requests served (finished with stop or length) per second while the engine was full (every
+    sequence slot taken, or requests waiting: then finishes are what lets the line move), decayed
+    over about half a minute; none before the first such measurement. Slots kept full count even when
+    admission keeps the queue empty, so that a rate measured low (in steps that compiled, say) is
+    measured again. The place in the line counts requests beyond max_num_seqs; where the pool, not
+    max_num_seqs, holds the queue back, the prediction is short by those.
+  When the prediction exceeds the request's TTFT objective, and something ahead of it is the cause
+  (a prompt that alone takes longer is admitted: waiting would not help it), it gets 429 with
+  `Retry-After` = prediction - objective, rounded up: by then the work ahead is short enough.
 - A queue timeout (`--max-queue-time`, enforced by the engine loop) ends the request with 503.
 """
 
@@ -30,6 +36,7 @@ from paged_jax.serving.async_engine import AsyncLLMEngine, RequestStream, StatLo
 from paged_jax.serving.metrics import PREFIX
 from paged_jax.serving.openai_protocol import SamplingRequest
 from paged_jax.serving.openai_errors import APIError, bad_request
+from paged_jax.serving.prefill_clock import PrefillClock
 from paged_jax.serving.stats import IterationStats, SchedulerStats
 
 _RATE_TIME_CONSTANT_S = 30.0
@@ -84,6 +91,8 @@ class SloGuard(StatLogger):
         self.engine: AsyncLLMEngine | None = None
         self.objective = objective
         self.rate = ServiceRate()
+        self.clock = PrefillClock()
+        self.pending_tokens = 0  # prompt tokens of admitted requests without a first token (server thread)
         labels = {"model_name": model_name}
         self._goodput = Counter(PREFIX + "slo_goodput", "Requests that finished (stop or length) within every "
                                 "latency objective they had (vllm bench serve --goodput's count).", ["model_name"],
@@ -100,27 +109,40 @@ class SloGuard(StatLogger):
         full = scheduler.num_waiting > 0 or scheduler.num_running >= self.engine.limits.max_num_seqs
         served = sum(r.finish_reason in ("stop", "length") for r in iteration.finished)
         self.rate.observe(time.monotonic(), served, full)
+        if iteration.step_time is not None:
+            self.clock.observe(iteration.step_time, iteration.num_batched_tokens)
 
     def objective_for(self, request: SamplingRequest) -> Objective:
         """The server's objectives, tightened by the request's own; a looser one is a 400."""
         return Objective(_within(request.slo_ttft_ms, self.objective.ttft_ms, "slo_ttft_ms", "--slo-ttft-ms"),
                          _within(request.slo_tpot_ms, self.objective.tpot_ms, "slo_tpot_ms", "--slo-tpot-ms"))
 
-    def admit(self, request: SamplingRequest, count: int = 1) -> "Admission":
-        """Let in the `count` engine requests of an API request, or refuse them (429) when the last would
-        wait in the queue longer than their TTFT objective; a looser objective than the server's is a 400."""
+    def admit(self, request: SamplingRequest, prompt_tokens: list[int]) -> "Admission":
+        """Let in the engine requests of an API request (prompt_tokens: each one's prompt length), or
+        refuse them (429) when they would miss their TTFT objective for the work ahead of them; a
+        looser objective than the server's is a 400."""
         objective = self.objective_for(request)
-        rate = self.rate.per_second
-        admission = Admission(self, objective, time.monotonic())
-        if objective.ttft_ms is None or not rate:
-            return admission
-        place = self.engine.queue_position(count)
-        wait = place / rate
+        if objective.ttft_ms is not None:
+            self._check_ttft(objective, prompt_tokens)
+        # Its prompts are work ahead of later requests from now (handlers interleave at each await).
+        self.pending_tokens += sum(prompt_tokens)
+        return Admission(self, objective, time.monotonic(), list(prompt_tokens))
+
+    def _check_ttft(self, objective: Objective, prompt_tokens: list[int]) -> None:
+        """Raise 429 when the predicted time to first token exceeds the objective because of what is ahead."""
+        own, ahead, why = sum(prompt_tokens), self.pending_tokens, []
+        cost = self.clock.seconds_per_token
+        wait = (ahead + own) * cost if cost and ahead else 0.0
+        if wait:
+            why.append(f"{ahead} prompt tokens ahead and {own} of its own at {1000 * cost:.3f} ms a token")
+        place, rate = self.engine.queue_position(len(prompt_tokens)), self.rate.per_second
+        if rate and place and place / rate > wait:
+            wait = place / rate
+            why = [f"{place} requests to finish at {rate:.2f} a second"]
         if 1000 * wait <= objective.ttft_ms:
-            return admission
-        raise APIError(429, f"the predicted wait in the queue, {wait:.2f} s ({place} requests to finish at "
-                       f"{rate:.2f} a second), exceeds this request's time-to-first-token objective of "
-                       f"{objective.ttft_ms:g} ms; retry later", type="rate_limit_error",
+            return
+        raise APIError(429, f"the predicted time to first token, {wait:.2f} s ({why[0]}), exceeds this request's "
+                       f"objective of {objective.ttft_ms:g} ms; retry later", type="rate_limit_error",
                        code="slo_unattainable", cause="slo_admission",
                        headers={"Retry-After": str(max(1, math.ceil(wait - objective.ttft_ms / 1000)))})
 
@@ -145,24 +167,39 @@ class Admission:
     guard: SloGuard
     objective: Objective
     time: float  # time.monotonic()
+    unwatched: list[int]  # prompt lengths of its engine requests not yet watched, counted as work ahead
 
-    def watch(self, stream: RequestStream) -> "GuardedStream":
-        return GuardedStream(stream, self)
+    def watch(self, stream: RequestStream, prompt_tokens: int) -> "GuardedStream":
+        """stream: the engine request of a prompt of prompt_tokens tokens; it gives them back once started."""
+        self.unwatched.remove(prompt_tokens)
+        return GuardedStream(stream, self, prompt_tokens)
+
+    def release(self) -> None:
+        """The prompts never added to the engine (one was refused) are no longer work ahead."""
+        self.guard.pending_tokens -= sum(self.unwatched)
+        self.unwatched.clear()
 
 
 class GuardedStream:
-    """A RequestStream (iterate it, close it) that is scored when it finishes, and whose end by the
-    queue timeout raises a 503."""
+    """A RequestStream (iterate it, close it) that is scored when it finishes, whose end by the queue
+    timeout raises a 503, and whose prompt counts as work ahead of later requests until its first output."""
 
-    def __init__(self, stream: RequestStream, admission: Admission):
+    def __init__(self, stream: RequestStream, admission: Admission, prompt_tokens: int):
         self.request_id = stream.request_id
         self._stream, self._admission = stream, admission
+        self._pending = prompt_tokens
+
+    def _started(self) -> None:
+        """Its prompt is done (a first output) or will never be (closed): no longer work ahead."""
+        self._admission.guard.pending_tokens -= self._pending
+        self._pending = 0
 
     def __aiter__(self) -> "GuardedStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
         out = await self._stream.__anext__()
+        self._started()
         if out.finished:
             if any(c.finish_reason == "queue_timeout" for c in out.outputs):
                 waited = out.metrics.finish_time - out.metrics.arrival_time
@@ -173,6 +210,7 @@ class GuardedStream:
         return out
 
     def close(self) -> None:
+        self._started()
         self._stream.close()
 
 
