@@ -39,9 +39,14 @@ import numpy as np
 from models.loader import load_tokenizer
 from models.tiny import TINY_LLAMA, random_model
 from paged_jax import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
-from paged_jax.core import model_runner, packing, warmup
+from paged_jax.core import model_runner, warmup
 from paged_jax.core.sampling import SamplerOutput
 from paged_jax.core.sampling_params import MAX_LOGPROBS
+
+try:
+    from paged_jax.core import packing
+except ImportError:  # the engine before asynchronous scheduling
+    packing = None
 
 NUM_BLOCKS = 131_073  # a GPU's pool at gpu_memory_utilization 0.9 (docs/gpu.md)
 MODEL = dataclasses.replace(TINY_LLAMA, vocab_size=8192, max_position_embeddings=4096)
@@ -84,36 +89,43 @@ class StandIn:
         self._first = self.library.StandInSpans(None, 0)  # the calls of stand-ins made before this one
         self.dispatched: list[float] = []
 
+        # The engine before asynchronous scheduling (351436f) handed its steps the batch and the
+        # sampler's rows as pytrees, and its sampler returned the samples alone: the same stand-ins
+        # take either, so this script measures both (run it from a checkout of that commit, with
+        # --async-scheduling default).
+        self._packed = packing is not None
+        unpack = lambda packed, layout: packing.unpack(packed, layout) if self._packed else packed
+
+        def work(tree):  # the ~10^5 flops
+            return 0 * jnp.sum(jnp.tanh(jax.tree.leaves(tree)[0][:1024].astype(jnp.float32)[:, None] * jnp.arange(64.0)))
+
         @functools.partial(jax.jit, static_argnames=("graph", "layout"), donate_argnames="kv_cache")
-        def call(graph, weights, kv_cache, packed, previous, *, layout):
-            del graph, previous
-            step_input = packing.unpack(packed, layout)
+        def call(graph, weights, kv_cache, packed, previous=None, *, layout=None):
+            step_input = unpack(packed, layout)
             hold = jax.ffi.ffi_call("stand_in_hold", jax.ShapeDtypeStruct((1,), jnp.int32))
             ids = hold(step_input.input_ids[:1], micros=np.int64(seconds * 1e6))[0]
-            work = jnp.sum(jnp.tanh(packed[:1024].astype(jnp.float32)[:, None] * jnp.arange(64.0)))
             # Hidden states that vary with the step's positions, so the sampled tokens do too.
             positions = step_input.positions[step_input.logits_indices].astype(jnp.float32)
-            hidden = jnp.sin(positions[:, None] * (1.0 + jnp.arange(MODEL.hidden_size)) + ids + 0 * work)
+            hidden = jnp.sin(positions[:, None] * (1.0 + jnp.arange(MODEL.hidden_size)) + ids + work(packed))
             return hidden.astype(weights[0].dtype), kv_cache
 
         @functools.partial(jax.jit, static_argnames=("graph", "layout"))
-        def sample_step(graph, weights, hidden, packed, previous, *, layout):
-            del graph, weights, previous
-            rows = packing.unpack(packed, layout).temperature.shape[0]
-            work = jnp.sum(jnp.tanh(packed[:1024].astype(jnp.float32)[:, None] * jnp.arange(64.0)))
-            tokens = (jnp.abs(hidden[:rows, 0].astype(jnp.float32) + 0 * work) * 1e4).astype(jnp.int32) % MODEL.vocab_size
+        def sample_step(graph, weights, hidden, packed, previous=None, *, layout=None):
+            rows = unpack(packed, layout).temperature.shape[0]
+            tokens = (jnp.abs(hidden[:rows, 0].astype(jnp.float32) + work(packed)) * 1e4).astype(jnp.int32)
+            tokens %= MODEL.vocab_size
             k = min(MAX_LOGPROBS, MODEL.vocab_size)
             out = SamplerOutput(tokens, jnp.zeros(rows), jnp.zeros((rows, k)), jnp.zeros((rows, k), jnp.int32))
-            return out, jnp.zeros(hidden.shape[0], jnp.int32).at[:rows].set(tokens)
+            return (out, jnp.zeros(hidden.shape[0], jnp.int32).at[:rows].set(tokens)) if self._packed else out
 
         self._call, self.sample_step = call, sample_step
 
     def _cache_size(self) -> int:  # counted with the runner's programs (ModelRunner.num_compiles)
         return self._call._cache_size() + self.sample_step._cache_size()
 
-    def __call__(self, *args, **keywords):
+    def __call__(self, *args, layout=None, **_):
         self.dispatched.append(time.monotonic())
-        return self._call(*args, layout=keywords["layout"])
+        return self._call(*args, layout=layout)
 
     @property
     def spans(self) -> list[tuple[float, float]]:
