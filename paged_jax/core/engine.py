@@ -109,8 +109,6 @@ class LLMEngine:
         loaded = models.load_model(model, dtype=jnp.dtype(dtype), mesh=distributed.engine_mesh(config.tensor_parallel_size))
         return cls(loaded.model, loaded.config, loaded.tokenizer, config)
 
-    # The surface a front end uses: limits, add (checked), abort, step, stats.
-
     @property
     def limits(self) -> EngineLimits:
         return EngineLimits(max_model_len=self.resolved.max_model_len, vocab_size=self.model_config.vocab_size,
@@ -181,8 +179,7 @@ class LLMEngine:
         error is logged, and the requests in the step end at once with their blocks freed, each with a
         finished output whose completions have finish_reason "error" and RequestOutput.error set.
         The requests in the step are those it scheduled or read samples for or, when scheduling itself
-        failed, all that were running. The others go on, computed again if the failure took the KV
-        cache with it.
+        failed, all that were running. The others go on, computed again if the KV cache was lost.
         """
         refused = [out for seq, e in self.gate.admit() for out in self._fail([seq.request_id], self._requests, e)]
         requests = dict(self._requests)  # as they stood before the step, in case it fails
@@ -192,29 +189,31 @@ class LLMEngine:
         outputs = []
         try:
             if previous is not None and self._needs_tokens_first():
-                outputs += self._read(previous)
-                previous = None
+                outputs, previous = self._read(previous), None
             out = self.scheduler.schedule()
             launched = self._launch(out, start)
             self.blocks.commit()
             if previous is not None:
-                outputs += self._read(previous)
-                previous = None
+                outputs, previous = outputs + self._read(previous), None
             if launched is not None and not self.resolved.async_scheduling:
-                outputs += self._read(launched)
-                launched = None
+                outputs, launched = outputs + self._read(launched), None
             self._in_flight = launched
             return refused + outputs
         except Exception as error:
             logger.exception("an engine step failed; its requests end with an error")
+            if previous is not None:  # a step that failed on the device shows in the next: it is the cause
+                try:
+                    self.runner.collect(previous.sampled)
+                except Exception as cause:
+                    error = cause
             seqs = [s.seq for flight in (previous, launched) if flight is not None for s in flight.scheduled]
             seqs += self.scheduler.running if out is None else [*(s.seq for s in out.scheduled), *out.forked]
             failed = list(dict.fromkeys(s.request_id for s in seqs))
             return refused + [o for o in outputs if o.request_id not in failed] + self._fail(failed, requests, error)
 
     def _needs_tokens_first(self) -> bool:
-        """Whether the next schedule needs the in-flight step's tokens on the host: a constrained row's
-        mask follows from its last token, and beams are chosen from every sibling's proposals."""
+        """Whether the next schedule needs the in-flight tokens: a constrained row's mask follows from its
+        last token, and beams are chosen from every sibling's proposals."""
         return any(s.guide is not None or s.params.use_beam_search for s in self.scheduler.running)
 
     def _fail(self, request_ids: list[str], requests: dict[str, Request], error: Exception) -> list[RequestOutput]:

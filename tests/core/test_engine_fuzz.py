@@ -90,6 +90,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.live: dict[str, SamplingParams] = {}  # accepted requests with no finished output yet
         self.deltas: dict[str, RequestOutput] = {}  # DELTA requests' outputs so far, folded together
         self.greedy_done: list[tuple[list[int], list[int]]] = []  # (prompt, tokens) of finished greedy requests
+        self.fault: str | None = None  # where the last injected fault was, once one was
 
     # Every example opens with a workload: left to rules alone, most examples would add nothing.
     @initialize(mode=st.sampled_from(["recompute", "swap"]), prefix_caching=st.booleans(),
@@ -142,23 +143,19 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(in_xla=st.booleans())
     def failing_step(self, in_xla):
         """A step that fails, on the host or inside XLA (taking the KV cache): the requests in it end
-        with an error, their blocks freed, and the others go on."""
+        with an error, their blocks freed, and the others go on. A step a step ahead of the host
+        (async scheduling) fails inside XLA after its dispatch returned: that shows, with the fault's
+        own error, when the next step reads it."""
         runner = self.engine.runner
         # An instance attribute, over the method, for this one step.
         runner.dispatch = (lambda *args: fail_in_xla(runner.kv_cache)) if in_xla else fail_on_host
+        self.fault = "in XLA" if in_xla else "on the host"
         try:
             outputs = self.engine.step()
         finally:
             del runner.dispatch
         for output in outputs:
-            if output.error is None:  # a step read before the fault (a beam's, whose siblings' proposals it needs)
-                self._take(output)
-                continue
-            assert output.finished and "injected fault" in output.error
-            assert {c.finish_reason for c in output.outputs} == {"error"}
-            del self.live[output.request_id]
-            self.deltas.pop(output.request_id, None)
-            self.seen[f"requests ended by a fault {'in XLA' if in_xla else 'on the host'}"] += 1
+            self._take(output)
         self.references_match_holders()
 
     def _step(self):
@@ -168,6 +165,14 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _take(self, output: RequestOutput):
         """Check an output and fold it into what the machine knows."""
+        if output.error is not None:
+            assert self.fault is not None, f"an output with an error, with no fault injected: {output.error}"
+            assert output.finished and "injected fault" in output.error
+            assert {c.finish_reason for c in output.outputs} == {"error"}
+            del self.live[output.request_id]
+            self.deltas.pop(output.request_id, None)
+            self.seen[f"requests ended by a fault {self.fault}"] += 1
+            return
         params = self.live[output.request_id]  # never an unknown, aborted or already finished request
         assert output.finished or params.output_kind is not FINAL_ONLY
         if params.output_kind is DELTA:
