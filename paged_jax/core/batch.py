@@ -66,8 +66,9 @@ def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: St
     ids, src, positions, slots, seq_lens, starts = [], [], [], [], [], []
     # Every row's page table in one pass: the rows' block ids end to end, into a mask of their lengths.
     lengths = np.fromiter((len(s.seq.block_ids) for s in scheduled), np.int32, rows)
-    blocks = np.fromiter(itertools.chain.from_iterable(s.seq.block_ids for s in scheduled), np.int32, lengths.sum())
-    metadata.block_tables[:rows][np.arange(metadata.block_tables.shape[1]) < lengths[:, None]] = blocks
+    every_block = np.fromiter(itertools.chain.from_iterable(s.seq.block_ids for s in scheduled), np.int32,
+                              lengths.sum())
+    metadata.block_tables[:rows][np.arange(metadata.block_tables.shape[1]) < lengths[:, None]] = every_block
     start = 0
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens

@@ -51,7 +51,7 @@ class _Log:
             self.stretches[-1][1].append(block)
 
     def __bool__(self) -> bool:
-        return bool(self.touched or self.stretches[0][0] or self.stretches[0][1])
+        return bool(self.touched)  # every block released or taken is touched too
 
 
 class BlockManager:
