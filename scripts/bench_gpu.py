@@ -101,22 +101,27 @@ def part_w1(model_path: str | None, workload: str, sizes: Sizes, *, tiny: bool) 
     _, requests, params = bench_throughput.workload_requests(
         argparse.Namespace(workload=workload, num_requests=sizes.w1_requests))
     options = bench_throughput.parse_args([])  # its engine options' defaults
-    engine = LLMEngine(model, config, tokenizer, EngineConfig(
-        dtype="bfloat16", max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-        kv_cache_memory_bytes=W1_KV_BYTES))
-    steps = []
-    engine.runner.step_observers.append(steps.append)
-    bench_throughput.run_workload(engine, requests, params)  # compiles every shape W1 meets
-    before = engine.stats()
-    steps.clear()
-    elapsed, produced = bench_throughput.run_once(engine, requests, params)
-    after = engine.stats()
-    device = after.device_seconds - before.device_seconds
-    figures = {"model": name, "output_tokens_per_s": round(produced / elapsed, 1), "wall_s": round(elapsed, 2),
-               "output_tokens": produced, "steps": len(steps), "step_wall_ms": _ms(elapsed / len(steps)),
-               "step_device_ms": _ms(device / len(steps)), "device_share": round(device / elapsed, 3),
-               "compiles_after_warmup": after.num_compiles - before.num_compiles, "kv_blocks": after.num_blocks}
-    return [Result("w1", produced == sum(r["max_new_tokens"] for r in requests), figures)]
+    results = []
+    for steps_per_dispatch in (1, 8):  # one decode step a dispatch, and multi-step decode (multi_step.py)
+        engine = LLMEngine(model, config, tokenizer, EngineConfig(
+            dtype="bfloat16", max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+            kv_cache_memory_bytes=W1_KV_BYTES, num_scheduler_steps=steps_per_dispatch))
+        steps = []
+        engine.runner.step_observers.append(steps.append)
+        bench_throughput.run_workload(engine, requests, params)  # compiles every shape W1 meets
+        before = engine.stats()
+        steps.clear()
+        elapsed, produced = bench_throughput.run_once(engine, requests, params)
+        after = engine.stats()
+        device = after.device_seconds - before.device_seconds
+        figures = {"model": name, "num_scheduler_steps": steps_per_dispatch,
+                   "output_tokens_per_s": round(produced / elapsed, 1), "wall_s": round(elapsed, 2),
+                   "output_tokens": produced, "dispatches": len(steps), "dispatch_wall_ms": _ms(elapsed / len(steps)),
+                   "dispatch_device_ms": _ms(device / len(steps)), "device_share": round(device / elapsed, 3),
+                   "compiles_after_warmup": after.num_compiles - before.num_compiles, "kv_blocks": after.num_blocks}
+        results.append(Result(f"w1_steps{steps_per_dispatch}",
+                              produced == sum(r["max_new_tokens"] for r in requests), figures))
+    return results
 
 
 def sweep_knobs(num_seqs: int, context: int, settings, *, interpret: bool, repeats: int) -> Result:

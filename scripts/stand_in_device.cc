@@ -21,8 +21,10 @@ int64_t NowNs() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-ffi::Error Hold(ffi::Buffer<ffi::S32> x, ffi::ResultBuffer<ffi::S32> y, int64_t micros) {
+// Holds for `micros` times x[0] when `per_step` is set (a multi-step dispatch of x[0] steps), else `micros`.
+ffi::Error Hold(ffi::Buffer<ffi::S32> x, ffi::ResultBuffer<ffi::S32> y, int64_t micros, bool per_step) {
   int64_t start = NowNs();
+  if (per_step) micros *= std::max<int32_t>(x.typed_data()[0], 0);
   if (micros > 0) std::this_thread::sleep_for(std::chrono::microseconds(micros));
   y->typed_data()[0] = x.typed_data()[0];
   std::lock_guard<std::mutex> lock(mu);
@@ -34,7 +36,7 @@ ffi::Error Hold(ffi::Buffer<ffi::S32> x, ffi::ResultBuffer<ffi::S32> y, int64_t 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StandInHold, Hold,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("micros"));
+                                  .Attr<int64_t>("micros").Attr<bool>("per_step"));
 
 // Copies up to `max` recorded times into out; returns how many there are.
 extern "C" int64_t StandInSpans(int64_t* out, int64_t max) {

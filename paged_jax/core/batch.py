@@ -54,9 +54,9 @@ def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: St
                      rope_freq: np.ndarray) -> StepInput:
     """Lay the scheduled sequences' new tokens end to end, in the given order (numpy arrays).
 
-    A sequence's pending token (at most one: the engine reads a step's samples before it builds the
-    step after next) is its last new token, taken on the device from row seq.sample_row of the
-    previous step's samples. A decode row (one new token, most rows of most steps) is laid out in
+    A sequence's last pending token (a decode row's one new token, or the last of a prompt chunk's,
+    which then has no other pending token) is taken on the device from row seq.sample_row of the
+    previous dispatch's samples (its last step's, after several: multi_step.py). A decode row (one new token, most rows of most steps) is laid out in
     plain Python, a prompt chunk with numpy: a numpy call costs about a microsecond whatever its size.
     """
     num_tokens = sum(s.num_new_tokens for s in scheduled)

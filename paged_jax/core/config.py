@@ -101,12 +101,16 @@ class EngineConfig:
     # an accelerator; on the CPU the host's thread would take a core from the step's own compute.
     async_scheduling: str = _option(
         "auto", "schedule step N+1 while step N runs (auto: on a GPU, off on the CPU)", ("auto", "on", "off"))
+    # vLLM's (V0) name. multi_step.py: while every running sequence decodes and none needs the host
+    # between tokens, one dispatch runs up to this many decode steps.
+    num_scheduler_steps: int = _option(1, "decode steps per dispatch while every sequence decodes (multi-step)")
 
     def __post_init__(self):
         if isinstance(self.async_scheduling, bool):
             object.__setattr__(self, "async_scheduling", "on" if self.async_scheduling else "off")
         for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size", "max_num_partial_prefills"):
+                     "max_num_batched_tokens", "max_model_len", "tensor_parallel_size", "max_num_partial_prefills",
+                     "num_scheduler_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -20,7 +20,7 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class IncrementalDetokenizer:
-    """The text of one sequence's output ids, one id at a time.
+    """The text of one sequence's output ids, an id (or a few) at a time.
 
     tokenizer: a transformers tokenizer, or None for a model without one (whose text is always "").
     """
@@ -36,11 +36,17 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Decode one more id; returns the text it confirms ("" while held)."""
+        return self.extend((token_id,))
+
+    def extend(self, token_ids) -> str:
+        """Decode several more ids (a non-empty sequence of ints) in one call: the same text as adding
+        them one by one (the window's decode is the whole decode's suffix either way); returns the
+        text they confirm."""
         if self.tokenizer is None:
             return ""
-        self._window.append(token_id)
+        self._window.extend(token_ids)
         new = self._decode(self._window)[len(self._prefix_text):]
-        if new and not new.endswith("\ufffd") and not self._is_byte(token_id):
+        if new and not new.endswith("\ufffd") and not self._is_byte(token_ids[-1]):
             self._pieces.append(new)
             self.num_confirmed_chars += len(new)
             self._window = self._window[self._read:]
@@ -49,9 +55,9 @@ class IncrementalDetokenizer:
             self.pending = ""
             return new
         if not new and self._read:
-            # It adds no text after the context (a special token that decoding skips): forget it,
+            # They add no text after the context (special tokens that decoding skips): forget them,
             # or a run of them would widen the window without end.
-            self._window.pop()
+            del self._window[-len(token_ids):]
         self.pending = new
         return ""
 

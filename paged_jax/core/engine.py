@@ -33,7 +33,7 @@ from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_jax.core.sequence import Sequence
-from paged_jax.core.stop_checker import check_stop
+from paged_jax.core.stop_checker import StopRules
 from paged_jax.core.validation import EngineLimits
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,13 @@ compilation_cache.enable()
 
 
 class _InFlight(NamedTuple):
-    """A dispatched step: what it computes, which rows sample, and its samples on the device."""
+    """A dispatched step: what it computes, the tokens each row samples, and its samples on the device
+    (with a leading axis of steps when it ran several: multi_step.py)."""
 
     scheduled: list[ScheduledSeq]
-    samples: list[bool]
+    num_samples: list[int]
     sampled: SamplerOutput
+    multi_step: bool
 
 
 class LLMEngine:
@@ -78,7 +80,8 @@ class LLMEngine:
         if self.resolved.matmul_backend == "cpu":
             model = model.pack_for_cpu(self.config.quantization, cpu_matmul.onednn_rows(
                 self.config, model_config, self.resolved.buckets.token_buckets()))
-        self.runner = ModelRunner(model, model_config, self.resolved, mesh)
+        self.runner = ModelRunner(model, model_config, self.resolved, mesh,
+                                  max_decode_steps=self.config.num_scheduler_steps)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
         # The C++ matmuls compute a step's real tokens only (models/llama.py), so its padding costs
@@ -90,6 +93,7 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None  # the step dispatched and not yet read (async scheduling)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
+        self._stops = StopRules(self.eos_token_ids, self.resolved.max_model_len, self.gate.refusal)
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -190,7 +194,7 @@ class LLMEngine:
         try:
             if previous is not None and self._needs_tokens_first():
                 outputs, previous = self._read(previous), None
-            out = self.scheduler.schedule()
+            out = self.scheduler.schedule(self._decode_steps())
             launched = self._launch(out, start)
             self.blocks.commit()
             if previous is not None:
@@ -215,6 +219,22 @@ class LLMEngine:
         """Whether the next schedule needs the in-flight tokens: a constrained row's mask follows from its
         last token, and beams are chosen from every sibling's proposals."""
         return any(s.guide is not None or s.params.use_beam_search for s in self.scheduler.running)
+
+    def _decode_steps(self) -> int:
+        """Decode steps the next dispatch may run (multi_step.py): num_scheduler_steps while every running
+        sequence decodes and no prompt could be admitted, and no token changes what the next one's
+        sampler is given (a grammar's mask, beams, a penalty's history, a min_tokens ban)."""
+        most = self.config.num_scheduler_steps
+        scheduler = self.scheduler
+        if most == 1 or (scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs):
+            return 1
+        for seq in scheduler.running:
+            p = seq.params
+            if (seq.guide is not None or p.use_beam_search or p.uses_penalties or seq.forks > 1
+                    or seq.num_output_tokens + seq.num_pending < p.min_tokens
+                    or seq.num_computed_tokens + 1 != seq.num_tokens):
+                return 1
+        return most
 
     def _fail(self, request_ids: list[str], requests: dict[str, Request], error: Exception) -> list[RequestOutput]:
         """End the given requests with an error, and leave the engine fit to serve the others."""
@@ -246,35 +266,43 @@ class LLMEngine:
             request = self._requests[s.seq.request_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
-        samples = [s.samples for s in scheduled]  # before the counts below move on
-        sampled = self.runner.dispatch(scheduled, out.copies)
+        # Several steps only if every row decodes: a fork's block copy or a prompt chunk makes it one.
+        multi = not out.copies and any(s.num_steps > 1 for s in scheduled) and all(
+            s.num_new_tokens == 1 and s.samples for s in scheduled)
+        num_samples = [s.num_steps if multi else int(s.samples) for s in scheduled]  # before the counts move on
+        sampled = self.runner.dispatch(scheduled, out.copies, num_samples if multi else None)
         engine_stats.track_peak(self, scheduled)
-        for row, (s, sample) in enumerate(zip(scheduled, samples)):
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if sample:
-                s.seq.num_pending += 1
+        for row, (s, n) in enumerate(zip(scheduled, num_samples)):
+            # A step's token is computed for each sample after the first: the last stays pending.
+            s.seq.num_computed_tokens += s.num_new_tokens + max(n - 1, 0)
+            if n:
+                s.seq.num_pending += n
                 s.seq.sample_row = row
-        return _InFlight(scheduled, samples, sampled)
+        return _InFlight(scheduled, num_samples, sampled, multi)
 
     def _read(self, flight: "_InFlight") -> list[RequestOutput]:
         """Take a dispatched step's samples into its sequences: append, stop, outputs."""
         sampled = self.runner.collect(flight.sampled)
+        if not flight.multi_step:  # a leading axis of one step
+            sampled = jax.tree.map(lambda x: x[None], sampled)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for row, (s, sample) in enumerate(zip(flight.scheduled, flight.samples)):
+        for row, (s, count) in enumerate(zip(flight.scheduled, flight.num_samples)):
             seq = s.seq
-            if not sample:
+            if not count:
                 continue
-            seq.num_pending -= 1
-            if seq.is_finished:  # aborted, or ended by its previous token: this row was computed for nothing
+            seq.num_pending -= count
+            if seq.is_finished:  # aborted, or ended by its previous token: computed for nothing
                 continue
             request = touched[seq.request_id] = self._requests[seq.request_id]
             if request.params.use_beam_search:
                 width = 2 * request.params.n
-                seq.beam_candidates = list(zip(sampled.top_ids[row, :width].tolist(), sampled.top_logprobs[row, :width].tolist()))
+                seq.beam_candidates = list(zip(sampled.top_ids[0, row, :width].tolist(),
+                                               sampled.top_logprobs[0, row, :width].tolist()))
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-            elif (reason := output_processor.append_token(request, seq, sampled, row, now, self._stop)) is not None:
+            elif (reason := output_processor.append_tokens(request, seq, sampled, row, count, now,
+                                                           self._stops)) is not None:
                 seq.finish_reason, seq.stop_reason = reason
                 seq.finish_time = now
                 self.scheduler.finish(seq)
@@ -290,10 +318,6 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
-
-    def _stop(self, seq: Sequence, token: int, text) -> tuple[str, int | str | None] | None:
-        return self.gate.refusal(seq, token) or check_stop(seq, token, text, self.eos_token_ids,
-                                                           self.resolved.max_model_len)
 
     def stats(self) -> EngineStats:
         return engine_stats.snapshot(self)

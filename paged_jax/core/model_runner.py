@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import rope, sharding
-from paged_jax.core import distributed, kv_blocks, packing, sampling, structured_output
+from paged_jax.core import distributed, kv_blocks, multi_step, packing, sampling, structured_output
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.config import ResolvedConfig
@@ -97,8 +97,10 @@ def sample_step(graph: ModelGraph, weights: tuple[jax.Array, ...], hidden: jax.A
 
 
 class ModelRunner:
-    def __init__(self, model, model_config, resolved: ResolvedConfig, mesh: Mesh | None = None):
-        """mesh: what the model is split over (tensor parallelism); the KV cache is split over it too."""
+    def __init__(self, model, model_config, resolved: ResolvedConfig, mesh: Mesh | None = None,
+                 max_decode_steps: int = 1):
+        """mesh: what the model is split over (tensor parallelism); the KV cache is split over it too.
+        max_decode_steps: the most decode steps one dispatch may run (multi_step.py); 1: none does more."""
         graphdef, self.state = nnx.split(model)
         self.graph = ModelGraph(graphdef, self.state)
         self._weights = tuple(jax.tree.leaves(self.state))
@@ -108,9 +110,11 @@ class ModelRunner:
         self.resolved = resolved
         self.kv_cache = self._new_kv_cache()
         # The last dispatched step's sampled tokens, on the device: the next step's placeholders' ids.
-        previous = np.zeros(resolved.buckets.num_head_rows, np.int32)
-        self._previous = jax.device_put(previous, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-                                        if mesh is not None else self._weights[0].sharding)
+        replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
+                      else self._weights[0].sharding)
+        self._previous = jax.device_put(np.zeros(resolved.buckets.num_head_rows, np.int32), replicated)
+        self.max_decode_steps = max_decode_steps
+        self._rope_freq_device = jax.device_put(self._rope_freq, replicated)
         self.step_observers: list = []  # each called with a step's scheduled sequences before it runs (step_profile.py)
         self.device_seconds = 0.0  # dispatching steps and waiting for their samples, so far
 
@@ -138,21 +142,28 @@ class ModelRunner:
     def num_compiles(self) -> int:
         """Programs of the step's calls (model, sampler, block copies, swaps) compiled or loaded so far,
         for any runner of this process (counts recompiles). compiles.count() counts every program."""
-        return sum(f._cache_size() for f in (step, sample_step, kv_blocks.copy_blocks, kv_blocks.read_blocks,
-                                                kv_blocks.write_blocks))
+        return sum(f._cache_size() for f in (step, sample_step, multi_step.decode_steps, kv_blocks.copy_blocks,
+                                                kv_blocks.read_blocks, kv_blocks.write_blocks))
 
     def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
         return self.collect(self.dispatch(scheduled, copies))
 
-    def dispatch(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
+    def dispatch(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]],
+                 num_steps: list[int] | None = None) -> sampling.SamplerOutput:
         """Start the step (block copies, the model call, the sampler) and return at once: its samples,
         device arrays on their way to the host, for `collect`. A scheduled sequence with a pending token
-        reads it from the previously dispatched step's samples (seq.sample_row)."""
+        reads it from the previously dispatched step's samples (seq.sample_row).
+
+        num_steps: decode steps each sequence runs in this dispatch (multi_step.py; every sequence
+        decodes, and no block is copied); the samples then have a leading axis of max_decode_steps."""
         for observe in self.step_observers:
             observe(scheduled)
         start = time.perf_counter()
-        sampled = self.dispatch_step(np.asarray(copies, np.int32).reshape(-1, 2), *self.host_inputs(scheduled))
+        if num_steps is None:
+            sampled = self.dispatch_step(np.asarray(copies, np.int32).reshape(-1, 2), *self.host_inputs(scheduled))
+        else:
+            sampled = self.dispatch_decode(self.decode_run(scheduled, num_steps))
         for x in jax.tree.leaves(sampled):
             x.copy_to_host_async()
         self.device_seconds += time.perf_counter() - start
@@ -227,6 +238,32 @@ class ModelRunner:
         sampled, self._previous = self._sample(hidden, tensors)
         return sampled
 
+    def decode_run(self, scheduled: list[ScheduledSeq], num_steps: list[int]) -> multi_step.DecodeRun:
+        """A multi-step dispatch's host arrays: these decoding sequences, each running num_steps[i] steps."""
+        step_input, tensors = self.host_inputs(scheduled)
+        return self._decode_run(step_input, tensors, num_steps, [not s.seq.params.ignore_eos for s in scheduled])
+
+    def _decode_run(self, step_input: StepInput, tensors: sampling.SamplingTensors, num_steps,
+                    stops_at_eos) -> multi_step.DecodeRun:
+        rows = tensors.temperature.shape[0]
+        column = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, rows - len(values)))
+        return multi_step.DecodeRun(step_input, tensors, column(num_steps, np.int32), column(stops_at_eos, np.bool_))
+
+    def decode_args(self, run: multi_step.DecodeRun) -> tuple[tuple, dict]:
+        """(args, keywords) that `dispatch_decode` calls multi_step.decode_steps with for `run`."""
+        packed, layout = packing.pack(run)
+        keywords = dict(layout=layout, attn_backend=self.resolved.attention_backend, mesh=self.mesh,
+                        max_steps=self.max_decode_steps, block_size=self.resolved.block_size,
+                        eos_ids=tuple(self.model_config.eos_token_ids))
+        return (self.graph, self._weights, self.kv_cache, packed, self._previous, self._rope_freq_device), keywords
+
+    @distributed.replicated
+    def dispatch_decode(self, run: multi_step.DecodeRun) -> sampling.SamplerOutput:
+        """Run up to max_decode_steps decode steps (multi_step.py); what they sampled, device arrays."""
+        args, keywords = self.decode_args(run)
+        sampled, self._previous, self.kv_cache = multi_step.decode_steps(*args, **keywords)
+        return sampled
+
     def warm_up(self) -> None:
         """Make every program a step can run (buckets.py): each model-call shape, each sampler row count
         with and without penalties, greedy and drawing at random, a block copy and a swap each way, all
@@ -246,7 +283,21 @@ class ModelRunner:
         # ones (_previous), placed where those outputs are, so no program is made twice.
         self.collect(self.dispatch_step(np.zeros((1, 2), np.int32), self._padding_step(buckets.shapes()[0]),
                                         samplers[0]))
+        if self.max_decode_steps > 1:
+            self._warm_decode_runs()
         self.swap_in(self.swap_out([0]), [self.resolved.num_blocks])
+
+    def _warm_decode_runs(self) -> None:
+        """Every multi-step program: a decode step's shape and sampler rows for each number of rows,
+        greedy and drawing at random (penalties never run several steps), on padding rows that run none."""
+        buckets = self.resolved.buckets
+        pairs = dict.fromkeys((buckets.shape(rows, 1), buckets.sample_rows(rows))
+                              for rows in range(1, buckets.num_head_rows + 1))
+        for shape, rows in pairs:
+            for params in (SamplingParams(temperature=0), SamplingParams()):
+                tensors = self._sampling_tensors([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
+                run = self._decode_run(self._padding_step(shape), tensors, [0] * rows, [False] * rows)
+                self.collect(self.dispatch_decode(run))
 
     def _padding_step(self, shape) -> StepInput:
         return padding_step_input(shape, self.resolved.buckets.num_head_rows, self._rope_freq)

@@ -1,4 +1,4 @@
-"""A step's samples into the engine's records of requests (append_token), and RequestOutputs from
+"""A step's samples into the engine's records of requests (append_tokens), and RequestOutputs from
 those records, as each request's output_kind asks.
 
 A DELTA output costs what is new since the previous one; a FINAL_ONLY request costs nothing until it
@@ -6,14 +6,13 @@ finishes, then its whole text once; a CUMULATIVE output copies everything so far
 search outputs are decoded whole: its beams are reordered and replaced as the search goes.
 """
 
-from collections.abc import Callable
-
 from paged_jax.core import beam_search
 from paged_jax.core.detokenizer import decode
 from paged_jax.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.core.request import Request
 from paged_jax.core.sampling_params import RequestOutputKind
 from paged_jax.core.sequence import Sequence
+from paged_jax.core.stop_checker import Reason, StopRules
 
 DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
@@ -33,25 +32,49 @@ def request_output(request: Request, now: float) -> RequestOutput | None:
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, metrics)
 
 
-def append_token(request: Request, seq: Sequence, sampled, row: int, now: float,
-                 stop: Callable[[Sequence, int, object], tuple[str, int | str | None] | None]
-                 ) -> tuple[str, int | str | None] | None:
-    """Take seq's token from row `row` of a step's samples (numpy SamplerOutput): its id, logprobs and
-    text; returns (finish_reason, stop_reason) once `stop(seq, token, text)` says it is done."""
-    token = int(sampled.tokens[row])
-    seq.token_ids.append(token)
+def append_tokens(request: Request, seq: Sequence, sampled, row: int, count: int, now: float,
+                  stops: StopRules) -> Reason | None:
+    """Take seq's next `count` tokens, step j's at sampled.*[j, row] (a numpy SamplerOutput with a
+    leading axis of steps): their ids, logprobs and text, up to the first that ends it, for which it
+    returns (finish_reason, stop_reason); the tokens after that one are dropped.
+
+    Tokens taken together are decoded in one call, unless a stop string or a grammar needs each
+    token's text or state: they are then taken, and checked, one at a time."""
+    tokens = sampled.tokens[:count, row].tolist()
+    text = request.sample(seq).text
     if seq.first_token_time is None:
         seq.first_token_time = now
+    if stops.needs_each_token(seq):
+        for step, token in enumerate(tokens):
+            _take(seq, tokens[step : step + 1], sampled, step, row)
+            text.add((token,))
+            if (reason := stops.check(seq, token, text)) is not None:
+                return reason
+        return None
+    found = stops.first(seq, tokens)
+    kept = tokens if found is None else tokens[: found[0] + 1]
+    _take(seq, kept, sampled, 0, row)
+    text.add(kept)
+    return None if found is None else found[1]
+
+
+def _take(seq: Sequence, tokens: list[int], sampled, step: int, row: int) -> None:
+    """Append tokens, those of steps step, step + 1, ..., and their logprobs if seq asks for them."""
+    seq.token_ids.extend(tokens)
     if seq.params.logprobs is not None:
-        entry = {token: float(sampled.logprobs[row])}
-        for tid, lp in zip(sampled.top_ids[row, : seq.params.logprobs], sampled.top_logprobs[row, : seq.params.logprobs]):
-            entry.setdefault(int(tid), float(lp))
-        seq.logprobs.append(entry)
-        # Only then does the sampler compute logprobs (sampling.py); vLLM's rule too.
-        seq.cumulative_logprob += float(sampled.logprobs[row])
-    text = request.sample(seq).text
-    text.add(token)
-    return stop(seq, token, text)
+        for i, token in enumerate(tokens, step):
+            _append_logprobs(seq, token, sampled, i, row)
+
+
+def _append_logprobs(seq: Sequence, token: int, sampled, step: int, row: int) -> None:
+    logprob = float(sampled.logprobs[step, row])
+    entry = {token: logprob}
+    top = seq.params.logprobs
+    for tid, lp in zip(sampled.top_ids[step, row, :top].tolist(), sampled.top_logprobs[step, row, :top].tolist()):
+        entry.setdefault(tid, lp)
+    seq.logprobs.append(entry)
+    # Only then does the sampler compute logprobs (sampling.py); vLLM's rule too.
+    seq.cumulative_logprob += logprob
 
 
 def failed_output(request: Request, error: Exception, now: float) -> RequestOutput:

@@ -62,11 +62,14 @@ class OutputText:
         self._sent = 0  # characters handed out by take
         self._cut: int | None = None  # where the text ends, once a stop string was found
 
-    def add(self, token_id: int) -> None:
+    def add(self, token_ids) -> None:
+        """Take the sample's next ids (a non-empty sequence of ints), decoded together. A stop string
+        ends the text at the first token completing it only if each token is added, and searched
+        (find_stop), alone."""
         if self._ids is not None:
-            self._ids.append(token_id)
+            self._ids.extend(token_ids)
             return
-        self._tail += self._detokenizer.add(token_id)
+        self._tail += self._detokenizer.extend(token_ids)
         self._forget()
 
     def find_stop(self) -> str | None:

@@ -73,7 +73,10 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.blocks.block_size)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, num_steps: int = 1) -> SchedulerOutput:
+        """num_steps: decode steps the engine may run in one dispatch (multi_step.py): a decoding sequence
+        gets the blocks for up to that many tokens (ScheduledSeq.num_steps), no further than its
+        max_tokens or the context allow."""
         out = SchedulerOutput(scheduled=[], copies=[], preempted=[], forked=self._fork_ready())
         if self._key is not None:
             # Stable sorts: ties keep the order of events (forks behind their parent, preempted first).
@@ -95,9 +98,10 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            if not self._reserve(seq, num_new, out):
+            steps = self._num_steps(seq, num_steps) if num_new == 1 else 1
+            if not self._reserve(seq, num_new + steps - 1, out):
                 break  # seq itself was preempted
-            self._schedule(seq, num_new, out)
+            self._schedule(seq, num_new, out, steps)
             budget.spend(seq, num_new)
             i += 1
 
@@ -123,8 +127,8 @@ class Scheduler:
             out.preempted.append(victim)
         return out
 
-    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        out.scheduled.append(ScheduledSeq(seq, num_new))
+    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput, num_steps: int = 1) -> None:
+        out.scheduled.append(ScheduledSeq(seq, num_new, num_steps))
         # Blocks this step fills are named now, not after the step: a request admitted later in this
         # same step can then share them, since every layer writes the step's K/V before attending. A
         # block holding a pending token is named once the token is read, a step later.
@@ -136,6 +140,15 @@ class Scheduler:
         """Whether seq's pending token ends it by length: a step after it would be computed for nothing."""
         return seq.ends_when_read or (seq.num_pending > 0 and self.max_model_len is not None
                                       and seq.num_tokens >= self.max_model_len)
+
+    def _num_steps(self, seq: Sequence, most: int) -> int:
+        """Decode steps seq may run in one dispatch: at most `most`, and none past a length stop."""
+        if most == 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+            return 1
+        left = seq.params.max_tokens - seq.num_output_tokens - seq.num_pending
+        if self.max_model_len is not None:
+            left = min(left, self.max_model_len - seq.num_tokens)
+        return max(1, min(most, left))
 
     def _num_new_tokens(self, seq: Sequence, budget: StepBudget) -> int:
         """Tokens to compute for seq this step, 0 if it cannot run now."""

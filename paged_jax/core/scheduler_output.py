@@ -10,6 +10,9 @@ from paged_jax.core.sequence import Sequence
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # Decode steps it may run in one dispatch, its blocks reserved for them (multi_step.py); 1 but for
+    # a decoding sequence when the engine runs several.
+    num_steps: int = 1
 
     @property
     def samples(self) -> bool:

@@ -40,6 +40,41 @@ def generate(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
 
 
+def run(engine: LLMEngine, prompts, params) -> list:
+    return LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
+
+
+def completions(outputs) -> list[tuple]:
+    """Each completion's tokens, text, finish and stop reasons, and its logprobs as (token ids, values)."""
+    split = lambda logprobs: logprobs and [(list(entry), list(entry.values())) for entry in logprobs]
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, split(c.logprobs)) for o in outputs
+            for c in o.outputs]
+
+
+def assert_same(outputs, expected) -> None:
+    """Equal completions; logprobs to float32's rounding, as the two engines batch rows differently and a
+    matmul over more rows may sum in another order."""
+    got, want = completions(outputs), completions(expected)
+    assert [c[:4] for c in got] == [c[:4] for c in want]
+    for a, b in zip(got, want):
+        assert (a[4] is None) == (b[4] is None)
+        for (ids, values), (ids_b, values_b) in zip(a[4] or (), b[4] or ()):
+            assert ids == ids_b and values == pytest.approx(values_b, rel=1e-4, abs=1e-5)
+
+
+def rows_computed(engine: LLMEngine) -> list[int]:
+    """Record the new tokens each dispatched step computes."""
+    rows = []
+    engine.runner.step_observers.append(lambda scheduled: rows.append(sum(s.num_new_tokens for s in scheduled)))
+    return rows
+
+
+def chat_engine(tiny_chat_model, **options) -> LLMEngine:
+    """An engine over a tiny random model that speaks SmolLM2's vocabulary, with its tokenizer."""
+    m = tiny_chat_model
+    return LLMEngine(m.model, m.config, m.tokenizer, EngineConfig(**{"block_size": 8, "num_blocks": 256} | options))
+
+
 def finish_all(engine: LLMEngine, max_steps: int = 2000) -> dict:
     """request id -> its finished output, stepping until nothing is left; a stuck engine fails
     the test rather than hanging it."""

@@ -12,31 +12,10 @@ import json
 import jsonschema
 import pytest
 
-from engine_cases import GREEDY, assert_all_free, finish_all, make_engine, prompts, tiny  # noqa: F401
-from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from engine_cases import (GREEDY, assert_all_free, assert_same, chat_engine, completions, finish_all,  # noqa: F401
+                          make_engine, prompts, rows_computed, run, tiny)
+from paged_jax import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from paged_jax.core.config import resolve
-
-
-def run(engine: LLMEngine, prompts, params) -> list:
-    return LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
-
-
-def completions(outputs) -> list[tuple]:
-    """Each completion's tokens, text, finish and stop reasons, and its logprobs as (token ids, values)."""
-    split = lambda logprobs: logprobs and [(list(entry), list(entry.values())) for entry in logprobs]
-    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, split(c.logprobs)) for o in outputs
-            for c in o.outputs]
-
-
-def assert_same(outputs, expected) -> None:
-    """Equal completions; logprobs to float32's rounding, as the two engines batch rows differently and a
-    matmul over more rows may sum in another order."""
-    got, want = completions(outputs), completions(expected)
-    assert [c[:4] for c in got] == [c[:4] for c in want]
-    for a, b in zip(got, want):
-        assert (a[4] is None) == (b[4] is None)
-        for (ids, values), (ids_b, values_b) in zip(a[4] or (), b[4] or ()):
-            assert ids == ids_b and values == pytest.approx(values_b, rel=1e-4, abs=1e-5)
 
 
 def running_ahead(engine: LLMEngine) -> list[bool]:
@@ -83,13 +62,6 @@ def test_outputs_equal_the_synchronous_engines(tiny, prompts, options):
     assert_all_free(engine)
 
 
-def rows_computed(engine: LLMEngine) -> list[int]:
-    """Record the new tokens each dispatched step computes."""
-    rows = []
-    engine.runner.step_observers.append(lambda scheduled: rows.append(sum(s.num_new_tokens for s in scheduled)))
-    return rows
-
-
 def test_a_request_ending_at_max_tokens_computes_no_row_past_it(tiny, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     sync, ahead = (make_engine(tiny, block_size=8, num_blocks=256, async_scheduling=a) for a in (False, True))
@@ -97,12 +69,6 @@ def test_a_request_ending_at_max_tokens_computes_no_row_past_it(tiny, prompts):
     assert_same(run(ahead, prompts[:1], params), run(sync, prompts[:1], params))
     # The prompt, then a row for each token after the first: the seventh token is known to be the last.
     assert counted[1] == counted[0] == [len(prompts[0])] + [1] * 6
-
-
-def chat_engine(tiny_chat_model, **options) -> LLMEngine:
-    """An engine over a tiny random model that speaks SmolLM2's vocabulary, with its tokenizer."""
-    m = tiny_chat_model
-    return LLMEngine(m.model, m.config, m.tokenizer, EngineConfig(**{"block_size": 8, "num_blocks": 256} | options))
 
 
 def test_a_stop_string_completed_by_a_token_read_one_step_late(tiny_chat_model):

@@ -1,4 +1,5 @@
-"""The incremental detokenizer against the tokenizer's own full decode, on random ids: SmolLM2's real
+"""The incremental detokenizer against the tokenizer's own full decode, on random ids added one or a few
+at a time: SmolLM2's real
 byte-level BPE (characters split over tokens, invalid bytes, control tokens that
 skip_special_tokens drops) and a tiny SentencePiece-style tokenizer with byte fallback (a leading
 space stripped at the start, "<0xE2>" tokens whose group decodes only whole)."""
@@ -35,14 +36,21 @@ def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
 TINY = byte_fallback_tokenizer()
 
 
-def check_every_prefix(tokenizer, ids: list[int]) -> None:
+def check_every_prefix(tokenizer, ids: list[int], sizes: list[int]) -> None:
+    """Add ids in runs of the given sizes (cycled; a multi-step dispatch's tokens come several at a
+    time), checking the text after each."""
     detokenizer = IncrementalDetokenizer(tokenizer)
-    confirmed = ""
-    for k, token in enumerate(ids, 1):
-        confirmed += detokenizer.add(token)
+    confirmed, k = "", 0
+    while k < len(ids):
+        run = ids[k : k + sizes[k % len(sizes)]]
+        confirmed += detokenizer.extend(run) if len(run) > 1 else detokenizer.add(run[0])
+        k += len(run)
         full = tokenizer.decode(ids[:k], skip_special_tokens=True)
         assert confirmed + detokenizer.pending == detokenizer.text == full, (ids[:k], confirmed, detokenizer.pending)
         assert detokenizer.num_confirmed_chars == len(confirmed) and not confirmed.endswith("\ufffd")
+
+
+RUNS = st.lists(st.integers(1, 1), min_size=1, max_size=1) | st.lists(st.integers(1, 6), min_size=1, max_size=8)
 
 
 def smollm2_ids(tokenizer):
@@ -56,18 +64,18 @@ def smollm2_ids(tokenizer):
 
 def test_smollm2_matches_the_full_decode(smollm2_tokenizer):
     @SETTINGS
-    @given(smollm2_ids(smollm2_tokenizer))
-    def run(ids):
-        check_every_prefix(smollm2_tokenizer, ids)
+    @given(smollm2_ids(smollm2_tokenizer), RUNS)
+    def run(ids, sizes):
+        check_every_prefix(smollm2_tokenizer, ids, sizes)
 
     run()
 
 
 @SETTINGS
 @given(st.lists(st.integers(0, len(TINY) - 1) | st.sampled_from(TINY.encode("é東 🙂", add_special_tokens=False)),
-                max_size=40))
-def test_byte_fallback_matches_the_full_decode(ids):
-    check_every_prefix(TINY, ids)
+                max_size=40), RUNS)
+def test_byte_fallback_matches_the_full_decode(ids, sizes):
+    check_every_prefix(TINY, ids, sizes)
 
 
 def test_held_text_is_confirmed_once_whole(smollm2_tokenizer):

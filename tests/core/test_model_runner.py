@@ -12,7 +12,7 @@ from flax import nnx
 
 from kernels_pallas import layout
 from models.tiny import TINY_LLAMA, random_model
-from paged_jax.core import model_runner
+from paged_jax.core import model_runner, multi_step
 from paged_jax.core.config import EngineConfig, resolve
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import ScheduledSeq
@@ -79,6 +79,21 @@ def test_whole_step_lowers_for_cuda_with_the_pallas_kernel(batch, dtype, block_s
     assert "__gpu$xla.gpu.triton" in text, "the step must call the Pallas Triton kernel"
     kv_args = kv_cache_args(text, resolved, block_size, kv_layout)
     assert len(kv_args) == 2 * TINY_LLAMA.num_layers, "every layer's K and V pages, in the cache's dtype"
+    assert all("tf.aliasing_output" in a or "jax.buffer_donor" in a for a in kv_args), "the KV cache is donated"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_multi_step_decode_lowers_for_cuda_with_the_pallas_kernel(dtype):
+    """Several decode steps in one program (multi_step.py): the kernel inside its loop, the KV cache donated."""
+    config = EngineConfig(block_size=16, num_blocks=NUM_BLOCKS, num_scheduler_steps=8)
+    resolved = resolve(config, TINY_LLAMA, FAKE_GPU, jnp.dtype(dtype))
+    runner = model_runner.ModelRunner(random_model(dtype=jnp.dtype(dtype)), TINY_LLAMA, resolved, max_decode_steps=8)
+    (graph, *arrays), keywords = runner.decode_args(runner.decode_run(scheduled("decode", 16), [8, 3, 1]))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
+    text = multi_step.decode_steps.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "stablehlo.while" in text
+    kv_args = kv_cache_args(text, resolved, 16)
+    assert len(kv_args) == 2 * TINY_LLAMA.num_layers
     assert all("tf.aliasing_output" in a or "jax.buffer_donor" in a for a in kv_args), "the KV cache is donated"
 
 

@@ -56,7 +56,7 @@ def run(tokenizer, text: str, stop, *, search_from: int = 0, incremental: bool =
     output = OutputText(tokenizer, stop, incremental=incremental)
     pieces, found = [], None
     for k, token in enumerate(tokenizer.encode(text, add_special_tokens=False), 1):
-        output.add(token)
+        output.add((token,))
         found = output.find_stop() if stop and k > search_from else None
         if incremental:
             pieces.append(output.take(found is not None))
@@ -92,8 +92,8 @@ def test_a_whole_text_decoded_once_at_the_end_is_the_text_decoded_token_by_token
     def check(ids):
         whole, streamed = (OutputText(tokenizer, (), incremental=incremental) for incremental in (False, True))
         for token in ids:
-            whole.add(token)
-            streamed.add(token)
+            whole.add((token,))
+            streamed.add((token,))
         assert whole.text == streamed.text == "".join([streamed.take(False), streamed.take(True)])
 
     check()

@@ -34,14 +34,17 @@ def test_every_part_passes_on_the_cpu(capsys, tmp_path):
     argv = ["--platform", "cpu", "--quick", "--workload", str(workload), "--parts", ",".join(parts)]
     assert bench_gpu.main(argv) == 0
     out = capsys.readouterr().out
-    assert "[PASS] w1: model random, SmolLM2's shape, output_tokens_per_s" in out and "output_tokens 13," in out
+    for steps in (1, 8):  # one decode step a dispatch, and multi-step decode
+        assert (f"[PASS] w1_steps{steps}: model random, SmolLM2's shape, num_scheduler_steps {steps}, "
+                "output_tokens_per_s") in out
+    assert out.count("output_tokens 13,") == 2
     for n, context in bench_gpu.QUICK.sweep:
         assert f"[PASS] sweep {n} x {context}: kv_mb_read" in out
     assert "[PASS] llama-3.1-8b decode: seqs_x_context 8 x 128, step_ms" in out
     assert "[PASS] llama-3.1-8b prefill: tokens 256, step_ms" in out
     if HAS_TORCH:
         assert "[PASS] vs transformers: requests_x_prompt_x_new 4 x 16 x 8, ours_tok_per_s" in out
-    assert f"{len(parts) + 2} passed, 0 failed, 0 skipped" in out  # the sweep and llama8b print two lines each
+    assert f"{len(parts) + 3} passed, 0 failed, 0 skipped" in out  # w1, the sweep and llama8b print two lines each
 
 
 def test_a_part_that_raises_fails_alone(capsys):
