@@ -10,9 +10,10 @@ released and took, in order, and the reference counts it changed.
 
 The pool of record stays the functional one, a pytree of JAX arrays on the host's CPU device:
 `commit`, once a step, replays the log on it in one jitted call (block_pool.apply_log, padded to
-POOL_IDS ids a call, so one program). The call also checks that the blocks the host handed out are
-those the pool's queue gives; its flag is read at the next commit, when it is long done, so the check
-costs the step no wait. A replay of the scheduler alone (replay.py) asks for no pool of record
+the narrowest of POOL_IDS' widths that holds it, so a few programs; one call, as a second would wait
+on the CPU for the first's result). The call also checks that the blocks the host handed out are
+those the pool's queue gives; its flag is read at the next commit, when it is long done, so the
+check costs the step no wait. A replay of the scheduler alone (replay.py) asks for no pool of record
 (`functional_pool=False`).
 """
 
@@ -26,27 +27,29 @@ from paged_jax.core import block_pool
 from paged_jax.core.buckets import POOL_IDS, pad_ids
 from paged_jax.core.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
 
-# The log's four id lists travel as one int32 [4, POOL_IDS] array: one transfer, not four.
+WIDEST = POOL_IDS[-1]
+
+# The log's four id lists travel as one int32 [4, width] array: one transfer, not four.
 _apply_log = jax.jit(lambda pool, log: block_pool.apply_log(pool, *log), donate_argnums=0)
 
 
 @dataclasses.dataclass
 class _Log:
-    """What the host did to the pool since the last commit: stretches of at most POOL_IDS blocks
-    released and POOL_IDS taken, each replayed in one call, then the reference counts it changed."""
+    """What the host did to the pool since the last commit: stretches of at most WIDEST blocks released
+    and WIDEST taken, each replayed in one call, then the reference counts it changed."""
 
     stretches: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=lambda: [([], [])])
     touched: set[int] = dataclasses.field(default_factory=set)
 
     def release(self, ids: list[int]) -> None:
         for block in ids:
-            if len(self.stretches[-1][0]) == POOL_IDS:
+            if len(self.stretches[-1][0]) == WIDEST:
                 self.stretches.append(([], []))
             self.stretches[-1][0].append(block)
 
     def take(self, ids: list[int]) -> None:
         for block in ids:
-            if len(self.stretches[-1][1]) == POOL_IDS:
+            if len(self.stretches[-1][1]) == WIDEST:
                 self.stretches.append(([], []))
             self.stretches[-1][1].append(block)
 
@@ -79,9 +82,10 @@ class BlockManager:
         return len(self._queue)
 
     def warm_up(self) -> None:
-        """Make the commit's program, by a call that changes nothing."""
+        """Make the commit's programs, one a width, by calls that change nothing."""
         if self.pool is not None:
-            self._replay([([], [])], [], [])
+            for width in POOL_IDS:
+                self._call([], [], [], [], width)
             self.check()
 
     def commit(self) -> None:
@@ -105,14 +109,18 @@ class BlockManager:
     def _replay(self, stretches: list[tuple[list[int], list[int]]], touched: list[int], counts: list[int]) -> None:
         """One call a stretch; the reference counts go with the last one (and more calls if they are
         many): a call's taken blocks get a count of 1, which the final counts must follow."""
-        chunks = [(touched[i : i + POOL_IDS], counts[i : i + POOL_IDS]) for i in range(0, len(touched), POOL_IDS)]
+        chunks = [(touched[i : i + WIDEST], counts[i : i + WIDEST]) for i in range(0, len(touched), WIDEST)]
         calls = len(stretches) - 1 + max(1, len(chunks))
         for i in range(calls):
             released, taken = stretches[i] if i < len(stretches) else ([], [])
             ids, values = chunks[i - len(stretches) + 1] if 0 <= i - len(stretches) + 1 < len(chunks) else ([], [])
-            log = np.stack([pad_ids(part, POOL_IDS, -1) for part in (released, taken, ids, values)])
-            self.pool, ok = _apply_log(self.pool, jax.device_put(log, self._cpu))
-            self._oks.append(ok)
+            longest = max(len(released), len(taken), len(ids))
+            self._call(released, taken, ids, values, next(w for w in POOL_IDS if w >= longest))
+
+    def _call(self, released: list[int], taken: list[int], ids: list[int], values: list[int], width: int) -> None:
+        log = np.stack([pad_ids(part, width, -1) for part in (released, taken, ids, values)])
+        self.pool, ok = _apply_log(self.pool, jax.device_put(log, self._cpu))
+        self._oks.append(ok)
 
     def can_allocate(self, n: int, keep: list[int] = ()) -> bool:
         """Whether n blocks can be had, evicting cached blocks (other than `keep`) if need be."""

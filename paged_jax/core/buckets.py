@@ -31,7 +31,9 @@ from typing import NamedTuple
 import numpy as np
 
 MIN_TOKENS = 16  # T's floor: below it a step costs about the same (the weights' read dominates)
-POOL_IDS = 64  # ids per block-pool call; longer lists go in several calls
+# Ids per block-pool call: a step's log goes in one call of the narrowest that holds it; a longer one
+# (a burst of admissions) in several of the widest.
+POOL_IDS = (64, 512, 4096)
 # How each attention backend reads the static bound on a sequence's new tokens (default: "bucketed").
 _QUERY_LEN = {"cpu": "unused", "xla": "decode_or_not"}
 
