@@ -181,7 +181,7 @@ def decode(engine: LLMEngine, num_seqs: int, steps: int) -> tuple[list[float], f
     """Admit num_seqs requests, run until all are decoding, then time `steps` engine steps: each step's
     end, and the tokens a sequence took in them (decode steps: more than `steps` with multi-step decode)."""
     # Streamed as the server streams them (DELTA): each step's new tokens and text.
-    most = getattr(engine.config, "num_scheduler_steps", 1)
+    most = getattr(engine.resolved, "num_scheduler_steps", 1)
     params = SamplingParams(temperature=0.0, max_tokens=(steps + 8) * most + 64, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
     for i in range(num_seqs):

@@ -20,6 +20,10 @@ QUANTIZATIONS = (None, "int8")
 # vLLM's names for the KV cache's dtype ("auto": the model's); "bf16" is "bfloat16".
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16")
 MATMUL_BACKENDS = ("auto", "cpu", "xla")
+# Decode steps a dispatch on an accelerator, unless asked (multi_step.py): where the host's work per step
+# rivals the device's, 8 steps leave it an eighth (docs/performance.md#multi-step-decode). On the CPU a
+# real model's step costs the host's many times over, and more steps only delay arrivals.
+AUTO_DECODE_STEPS = 8
 # The KV budget where no device reports its memory (the CPU): what a laptop can spare.
 HOST_KV_CACHE_MEMORY_BYTES = 2 << 30
 # Backends that run on one platform only; the others run anywhere.
@@ -103,7 +107,8 @@ class EngineConfig:
         "auto", "schedule step N+1 while step N runs (auto: on a GPU, off on the CPU)", ("auto", "on", "off"))
     # vLLM's (V0) name. multi_step.py: while every running sequence decodes and none needs the host
     # between tokens, one dispatch runs up to this many decode steps.
-    num_scheduler_steps: int = _option(1, "decode steps per dispatch while every sequence decodes (multi-step)")
+    num_scheduler_steps: int | None = _option(
+        None, f"decode steps per dispatch while every sequence decodes (default: {AUTO_DECODE_STEPS} on a GPU, 1 on the CPU)")
 
     def __post_init__(self):
         if isinstance(self.async_scheduling, bool):
@@ -140,6 +145,7 @@ class ResolvedConfig:
     matmul: BackendChoice  # "cpu" or "xla" (never "auto"), and why
     buckets: StepBuckets  # every shape a step can take
     scheduling: BackendChoice  # "async" or "sync" (engine.py), and why
+    num_scheduler_steps: int  # the most decode steps one dispatch runs (multi_step.py)
 
     @property
     def attention_backend(self) -> str:
@@ -160,6 +166,8 @@ class ResolvedConfig:
                    self.attention.backend, self.attention.reason)
         logger.info("matmul backend %s: %s", self.matmul.backend, self.matmul.reason)
         logger.info("scheduling %s: %s", self.scheduling.backend, self.scheduling.reason)
+        logger.info("up to %d decode step%s a dispatch%s", self.num_scheduler_steps,
+                    "s" * (self.num_scheduler_steps > 1), " (multi-step decode)" * (self.num_scheduler_steps > 1))
 
 
 class Device(Protocol):
@@ -291,7 +299,8 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
                           matmul=choose_matmul_backend(config, platform, weights_dtype),
                           buckets=StepBuckets(config.max_num_batched_tokens, config.max_num_seqs,
                                               max_blocks_per_seq, backend),
-                          scheduling=choose_scheduling(config, platform))
+                          scheduling=choose_scheduling(config, platform),
+                          num_scheduler_steps=config.num_scheduler_steps or (1 if platform == "cpu" else AUTO_DECODE_STEPS))
 
 
 def choose_scheduling(config: EngineConfig, platform: str) -> BackendChoice:

@@ -81,7 +81,7 @@ class LLMEngine:
             model = model.pack_for_cpu(self.config.quantization, cpu_matmul.onednn_rows(
                 self.config, model_config, self.resolved.buckets.token_buckets()))
         self.runner = ModelRunner(model, model_config, self.resolved, mesh,
-                                  max_decode_steps=self.config.num_scheduler_steps)
+                                  max_decode_steps=self.resolved.num_scheduler_steps)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
         # The C++ matmuls compute a step's real tokens only (models/llama.py), so its padding costs
@@ -224,7 +224,7 @@ class LLMEngine:
         """Decode steps the next dispatch may run (multi_step.py): num_scheduler_steps while every running
         sequence decodes and no prompt could be admitted, and no token changes what the next one's
         sampler is given (a grammar's mask, beams, a penalty's history, a min_tokens ban)."""
-        most = self.config.num_scheduler_steps
+        most = self.resolved.num_scheduler_steps
         scheduler = self.scheduler
         if most == 1 or (scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs):
             return 1

@@ -8,13 +8,15 @@ is in flight; with and without asynchronous scheduling; and nothing compiles aft
 """
 
 import dataclasses
+import types
 
 import pytest
 
 from engine_cases import (GREEDY, assert_all_free, assert_same, chat_engine, completions, finish_all,  # noqa: F401
                           make_engine, prompts, run, tiny)
-from paged_jax import LLMEngine, SamplingParams
+from paged_jax import EngineConfig, LLMEngine, SamplingParams
 from paged_jax.core import compiles, warmup
+from paged_jax.core.config import AUTO_DECODE_STEPS, resolve
 
 STEPS = 4
 
@@ -125,3 +127,14 @@ def test_nothing_compiles_after_warm_up(tiny, prompts):
     seen = dispatches(engine)
     run(engine, prompts[:10], [MANY[i % len(MANY)] for i in range(10)])
     assert seen and compiles.count() == before and engine.runner.num_compiles == programs
+
+
+def test_auto_runs_several_steps_on_an_accelerator_and_one_on_the_cpu(tiny):
+    loaded, _ = tiny
+    device = lambda platform: types.SimpleNamespace(platform=platform, memory_stats=lambda: None)
+    steps = lambda platform, asked=None: resolve(EngineConfig(num_blocks=64, num_scheduler_steps=asked),
+                                                 loaded.config, device(platform), "float32").num_scheduler_steps
+    assert steps("gpu") == AUTO_DECODE_STEPS > 1 and steps("cpu") == 1
+    assert steps("cpu", 4) == 4 and steps("gpu", 1) == 1
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        EngineConfig(num_scheduler_steps=0)
