@@ -2,28 +2,21 @@
 every family, whose fields a family leaves at their defaults where it lacks the feature."""
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
-
-
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 
-
-def _traits(name: str, source: str) -> dict[str, Any]:
-    """The fields the architecture `name` fixes (registry.Architecture.traits); ValueError naming
-    `source` if it is not supported."""
-    # Imported here: the registry imports the model classes, which import this module.
-    from models.registry import architecture
-
-    return dict(architecture(name, source).traits)
+# traits(architecture, source): the fields that architecture fixes, ValueError naming the file `source`
+# where it is not supported. The readers below take it from their caller (registry.traits, passed by
+# the loader) because the registry imports the model classes, and they import this module.
+Traits = Callable[[str, str], Mapping[str, Any]]
 
 
-def _with_traits(architecture: str, source: str, stated: dict[str, Any]) -> dict[str, Any]:
-    """The fields a file states, over the architecture's traits: a trait is used where the file says
-    nothing (None) of that field, or has no such field at all (Qwen2's q/k/v biases)."""
-    traits = _traits(architecture, source)
-    return traits | {key: value for key, value in stated.items() if value is not None or key not in traits}
+def _with_traits(fixed: Mapping[str, Any], stated: dict[str, Any]) -> dict[str, Any]:
+    """The fields a file states, over the architecture's `fixed` traits: a trait is used where the file
+    says nothing (None) of that field, or has no such field at all (Qwen2's q/k/v biases)."""
+    return dict(fixed) | {key: value for key, value in stated.items() if value is not None or key not in fixed}
 
 
 # Sliding layers where a file does not list them: every second layer full in Gemma 2, every sixth in
@@ -90,7 +83,6 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # attention scores s = cap * tanh(s / cap) (Gemma 2)
 
     def __post_init__(self):
-        _traits(self.architecture, "ModelConfig")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -136,11 +128,13 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], *, source: str = "config.json") -> "ModelConfig":
+    def from_hf_config(
+        cls, hf: Mapping[str, Any], traits: Traits, *, source: str = "config.json"
+    ) -> "ModelConfig":
         """From a Hugging Face config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`,
-        either flat or, as Gemma 3's, one per layer type)."""
+        either flat or, as Gemma 3's, one per layer type) and the `traits` of its architecture."""
         architecture = hf.get("model_type", "<no model_type>")
-        _traits(architecture, source)
+        fixed = traits(architecture, source)
         if "text_config" in hf:
             raise ValueError(f"{source}: a multimodal {architecture} config; only the text model's (e.g. "
                              "Gemma3ForCausalLM's model_type gemma3_text) is supported")
@@ -165,7 +159,7 @@ class ModelConfig:
             raise ValueError(f"{source}: unsupported sliding layers' rope_type {local['rope_type']!r}; only default")
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
-        return cls(**_with_traits(architecture, source, dict(
+        return cls(**_with_traits(fixed, dict(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -201,9 +195,10 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(
-        cls, metadata: Mapping[str, Any], tensor_names: Collection[str], *, source: str
+        cls, metadata: Mapping[str, Any], tensor_names: Collection[str], traits: Traits, *, source: str
     ) -> "ModelConfig":
-        """From GGUF key/value metadata (llama.cpp names) and the names of the tensors in the file."""
+        """From GGUF key/value metadata (llama.cpp names), the names of the tensors in the file and the
+        `traits` of its architecture."""
 
         def get(key: str, default: Any = None) -> Any:
             if key in metadata:
@@ -213,7 +208,7 @@ class ModelConfig:
             return default
 
         arch = get("general.architecture")
-        _traits(arch, source)
+        fixed = traits(arch, source)
         scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise ValueError(f"{source}: unsupported rope scaling {scaling!r} in GGUF metadata")
@@ -231,7 +226,7 @@ class ModelConfig:
         eos = [] if metadata.get("tokenizer.ggml.eos_token_id") is None else [metadata["tokenizer.ggml.eos_token_id"]]
         if arch in _GEMMA_27B_LAYERS and "<end_of_turn>" in (tokens := metadata.get("tokenizer.ggml.tokens") or []):
             eos.append(tokens.index("<end_of_turn>"))  # a chat turn's end, an end of generation to llama.cpp too
-        return cls(**_with_traits(arch, source, dict(
+        return cls(**_with_traits(fixed, dict(
             architecture=arch,
             vocab_size=metadata.get(f"{arch}.vocab_size") or len(get("tokenizer.ggml.tokens")),
             hidden_size=hidden,

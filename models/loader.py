@@ -23,7 +23,7 @@ from safetensors import safe_open
 from models import converted, gguf_reader, gguf_tokenizer, sharding
 from models.config import ModelConfig
 from models.llama_weights import WeightRule
-from models.registry import architecture
+from models.registry import architecture, traits
 
 DEFAULT_MODEL = "smollm2-135m"
 # Short names for models that ship inside Python packages: name -> (package, file in it).
@@ -219,7 +219,7 @@ def _load_gguf(path: Path, dtype, mesh: Mesh | None) -> LoadedModel:
             shutil.rmtree(saved, ignore_errors=True)  # saved by a version whose model was laid out otherwise
     reader = gguf.GGUFReader(path)
     metadata = gguf_reader.metadata(reader)
-    config = ModelConfig.from_gguf_metadata(metadata, [t.name for t in reader.tensors], source=str(path))
+    config = ModelConfig.from_gguf_metadata(metadata, [t.name for t in reader.tensors], traits, source=str(path))
     params = convert(config, [(path, gguf_reader.tensors(reader, config, path))], dtype=dtype, source=path)
     tokenizer = gguf_tokenizer.from_metadata(metadata, source=str(path)) if "tokenizer.ggml.model" in metadata else None
     converted.save(saved, config, params, tokenizer)
@@ -262,6 +262,6 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype=jnp.float32, m
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file}: missing; a Hugging Face model folder needs one")
-    config = ModelConfig.from_hf_config(json.loads(config_file.read_text()), source=str(config_file))
+    config = ModelConfig.from_hf_config(json.loads(config_file.read_text()), traits, source=str(config_file))
     files = [(file, _safetensors_tensors(file)) for file in _safetensors_files(path)]
     return _loaded(build_model(config, files, dtype=dtype, source=path, mesh=mesh), _folder_tokenizer(path))

@@ -57,3 +57,8 @@ def architecture(name: str, source: str = "model") -> Architecture:
     if name not in ARCHITECTURES:
         raise ValueError(f"{source}: unsupported architecture {name!r}; supported: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[name]
+
+
+def traits(name: str, source: str = "model") -> Mapping[str, Any]:
+    """The ModelConfig fields the architecture `name` fixes: what config.py's readers take as `traits`."""
+    return architecture(name, source).traits

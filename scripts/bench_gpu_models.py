@@ -26,7 +26,7 @@ from flax import nnx
 
 from models import loader
 from models.config import ModelConfig
-from models.registry import architecture
+from models.registry import architecture, traits
 from paged_jax import SamplingParams
 from paged_jax.core import model_runner
 from paged_jax.core.scheduler import ScheduledSeq
@@ -51,7 +51,7 @@ def hf_config(name: str, *, tiny: bool = False) -> dict:
 
 
 def model_config(hf: dict) -> ModelConfig:
-    return ModelConfig.from_hf_config(hf, source="scripts/configs")
+    return ModelConfig.from_hf_config(hf, traits, source="scripts/configs")
 
 
 def random_model(config: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0) -> nnx.Module:

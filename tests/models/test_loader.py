@@ -136,7 +136,7 @@ def test_gemma2_config_of_transformers_4(tiny_checkpoint):
     hf = json.loads((tiny_checkpoint("gemma2")[0] / "config.json").read_text())
     del hf["layer_types"]
     hf["num_hidden_layers"] = 4
-    assert ModelConfig.from_hf_config(hf).layer_types == ("sliding_attention", "full_attention") * 2
+    assert ModelConfig.from_hf_config(hf, registry.traits).layer_types == ("sliding_attention", "full_attention") * 2
 
 
 def test_gemma3_config_of_transformers_4(tiny_checkpoint):
@@ -147,7 +147,7 @@ def test_gemma3_config_of_transformers_4(tiny_checkpoint):
         del hf[key]
     hf |= dict(sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=5e3,
                rope_scaling=dict(rope_type="linear", factor=8.0))
-    config = ModelConfig.from_hf_config(hf)
+    config = ModelConfig.from_hf_config(hf, registry.traits)
     assert config.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
     assert (config.rope_theta, config.rope_linear_factor, config.rope_local_theta) == (1e6, 8.0, 5e3)
 
@@ -210,7 +210,8 @@ def test_neither_folder_nor_gguf(tmp_path):
 
 def test_config_read_from_config_json(tiny_checkpoint):
     def config(arch):
-        return ModelConfig.from_hf_config(json.loads((tiny_checkpoint(arch)[0] / "config.json").read_text()))
+        hf = json.loads((tiny_checkpoint(arch)[0] / "config.json").read_text())
+        return ModelConfig.from_hf_config(hf, registry.traits)
 
     llama3, mistral, qwen2, smollm2, qwen3, gemma3, gemma2 = map(
         config, ("llama3", "mistral", "qwen2", "smollm2", "qwen3", "gemma3", "gemma2"))
