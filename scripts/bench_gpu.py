@@ -39,7 +39,6 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -47,9 +46,9 @@ import numpy as np  # noqa: E402
 
 import bench_gpu_models as bench_models  # noqa: E402
 import bench_throughput  # noqa: E402
-import gpu_check  # noqa: E402
+import gpu_parts  # noqa: E402
 import models  # noqa: E402
-from gpu_check import Result, kernel_testing  # noqa: E402
+from gpu_parts import Result, Skip, kernel_testing, record  # noqa: E402
 from kernels_pallas.paged_attention import paged_attention  # noqa: E402
 from paged_jax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from paged_jax.core import host_memory  # noqa: E402
@@ -64,10 +63,6 @@ W1_KV_BYTES = 2 << 30
 KNOBS = (*(dict(block_k=k, num_warps=w, num_stages=s) for k in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)),
          dict(block_q=8))
 _LABELS = {"block_k": "k", "num_warps": "w", "num_stages": "s", "block_q": "q"}
-
-
-class Skip(Exception):
-    """A part that cannot run here; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,18 +123,18 @@ def sweep_knobs(num_seqs: int, context: int, settings, *, interpret: bool, repea
     """Each tile setting's K/V read rate over a device copy's rate, on one layer of SmolLM2's bfloat16
     decode batch of num_seqs x context. A setting that fails to compile (more shared memory than the
     GPU has) reads n/a."""
-    case = gpu_check.smollm2_decode_case(num_seqs, context)
+    case = gpu_parts.smollm2_decode_case(num_seqs, context)
     batch = kernel_testing.make_batch(case, poison=0.0)
-    kv_bytes = 2 * num_seqs * context * case.num_kv_heads * case.head_dim * jnp.dtype(case.dtype).itemsize
-    copy_rate = gpu_check.copy_bandwidth(max(kv_bytes, 64 << 20), repeats)
-    figures = {"kv_mb_read": round(kv_bytes / 1e6, 1), "copy_gb_per_s": gpu_check._figure(copy_rate / 1e9)}
+    kv_bytes = gpu_parts.kv_bytes(case)
+    copy_rate = gpu_parts.copy_bandwidth(max(kv_bytes, 64 << 20), repeats)
+    figures = {"kv_mb_read": round(kv_bytes / 1e6, 1), "copy_gb_per_s": gpu_parts.figure(copy_rate / 1e9)}
     expected, wrong = None, []
     for knobs in ({}, *settings):
         label = ".".join(f"{_LABELS[k]}{v}" for k, v in knobs.items()) or "default"
         attend = jax.jit(functools.partial(paged_attention, max_query_len=1, interpret=interpret, **knobs))
         try:
             out = attend(*batch.args)
-            seconds = gpu_check.timed(attend, *batch.args, repeats=repeats)
+            seconds = gpu_parts.timed(attend, *batch.args, repeats=repeats)
         except Exception as e:
             if not knobs:
                 raise
@@ -178,7 +173,7 @@ def part_llama8b(built, sizes: Sizes, *, tiny: bool) -> list[Result]:
     PASS when its output is finite and no timed call compiled.
     built: () -> llama8b_engine's triple, called after the two rates are measured (their arrays freed).
     tiny: the rates measured on small arrays (the CPU's stand-in)."""
-    copy_rate = gpu_check.copy_bandwidth((64 << 20) if tiny else (2 << 30), sizes.repeats)
+    copy_rate = gpu_parts.copy_bandwidth((64 << 20) if tiny else (2 << 30), sizes.repeats)
     peak = matmul_peak_gflops(jnp.bfloat16, **(dict(n=512, repeats=sizes.repeats) if tiny else {})) * 1e9
     engine, model, _ = built()
     c = model.config
@@ -189,16 +184,16 @@ def part_llama8b(built, sizes: Sizes, *, tiny: bool) -> list[Result]:
     kv = seqs * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * jnp.dtype(jnp.bfloat16).itemsize
     floor = (weights + kv) / copy_rate
     decode = {"seqs_x_context": f"{seqs} x {context}", "step_ms": _ms(timing.median_s), "floor_ms": _ms(floor),
-              "share_of_floor": round(floor / timing.median_s, 3), "weights_gb": gpu_check._figure(weights / 1e9),
-              "kv_gb": gpu_check._figure(kv / 1e9), "copy_gb_per_s": gpu_check._figure(copy_rate / 1e9)}
+              "share_of_floor": round(floor / timing.median_s, 3), "weights_gb": gpu_parts.figure(weights / 1e9),
+              "kv_gb": gpu_parts.figure(kv / 1e9), "copy_gb_per_s": gpu_parts.figure(copy_rate / 1e9)}
     results = [("llama-3.1-8b decode", timing, decode)]
     timing = bench_models.time_model_call(engine, batch(1, tokens, tokens), min(sizes.repeats, 5))
     # model_flops counts the one sampled row's lm_head, which the model call leaves to the sampler.
     flops = bench_throughput.model_flops(c, [dict(prompt_token_ids=[0] * tokens, max_new_tokens=1)])
     flops -= 2 * c.vocab_size * c.hidden_size
     rate = flops / timing.median_s
-    prefill = {"tokens": tokens, "step_ms": _ms(timing.median_s), "tflop": gpu_check._figure(flops / 1e12),
-               "tflop_per_s": gpu_check._figure(rate / 1e12), "matmul_peak_tflop_per_s": gpu_check._figure(peak / 1e12),
+    prefill = {"tokens": tokens, "step_ms": _ms(timing.median_s), "tflop": gpu_parts.figure(flops / 1e12),
+               "tflop_per_s": gpu_parts.figure(rate / 1e12), "matmul_peak_tflop_per_s": gpu_parts.figure(peak / 1e12),
                "share_of_peak": round(rate / peak, 3)}
     results.append(("llama-3.1-8b prefill", timing, prefill))
     return [Result(name, t.finite and not t.recompiles, figures | {"first_call_s": round(t.first_s, 1),
@@ -230,23 +225,6 @@ def part_hf(built, sizes: Sizes) -> list[Result]:
     return [Result("vs transformers", ours_n == theirs_n == num * new, figures)]
 
 
-def record(name: str, part) -> list[str]:
-    """Runs part() -> [Result] and prints its lines and time; each line's verdict. An exception fails the
-    part (traceback printed), a Skip skips it, and the next part runs either way."""
-    start = time.perf_counter()
-    try:
-        results = [("PASS" if r.ok else "FAIL", r) for r in part()]
-    except Skip as why:
-        results = [("SKIP", Result(name, True, {"why": str(why)}))]
-    except Exception as e:  # one part's failure must not hide the others' figures
-        traceback.print_exc()
-        results = [("FAIL", Result(name, False, {"error": f"{type(e).__name__}: {str(e)[:300]}"}))]
-    for verdict, r in results:
-        print(f"[{verdict}] {r.name}: " + ", ".join(f"{k} {v}" for k, v in r.figures.items()), flush=True)
-    print(f"      ({name}: {time.perf_counter() - start:.1f} s, compiles included)", flush=True)
-    return [verdict for verdict, _ in results]
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
@@ -266,7 +244,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        device = gpu_check.on_device(args.platform)
+        device = gpu_parts.on_device(args.platform)
     except RuntimeError as e:
         print(f"[FAIL] no {args.platform} device visible to JAX ({e}); on a GPU: pip install -U 'jax[cuda13]'")
         return 1
@@ -286,7 +264,7 @@ def main(argv=None) -> int:
     chosen = [p for p in PARTS if p in args.parts]
     with jax.default_device(device):
         for i, name in enumerate(chosen):
-            verdicts += record(name, parts[name])
+            verdicts += [r.verdict for r in record(name, parts[name])]
             if not {"llama8b", "hf"} & set(chosen[i + 1:]):
                 built.cache_clear()  # the 8B model's 16 GB and its KV cache, not needed after
     print(f"{verdicts.count('PASS')} passed, {verdicts.count('FAIL')} failed, {verdicts.count('SKIP')} skipped "

@@ -26,10 +26,7 @@ kernel (slow; the test suite runs it on small shapes): it checks this script, no
 
 import argparse
 import dataclasses
-import pathlib
 import sys
-import time
-import traceback
 from collections.abc import Callable
 
 import jax
@@ -38,13 +35,11 @@ import numpy as np
 
 import bench_throughput
 import models
+from gpu_parts import (Result, copy_bandwidth, figure, kernel_testing, kv_bytes, on_device, record,
+                       smollm2_decode_case, timed)
 from kernels_pallas.paged_attention import paged_attention
 from models.tiny import TINY_LLAMA, random_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
-
-# The kernel's case matrix belongs to the test suite; this script runs the same matrix compiled on a GPU.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "kernels"))
-import kernel_matrix as kernel_testing  # noqa: E402
 
 # A first differing token counts as a near-tie when the reference's logprobs of the two tokens are
 # closer than this: float32 on two devices sums in different orders.
@@ -54,23 +49,6 @@ SMOLLM2_PROMPTS = (
     "Explain what a hash table is and when to use one.",
     "def fibonacci(n):",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Result:
-    name: str
-    ok: bool
-    figures: dict
-
-
-def _figure(x: float) -> float:
-    """Three significant digits: a rate from the interpreter is far below 0.1 GB/s, and must not round to 0."""
-    return float(f"{x:.3g}")
-
-
-def on_device(platform: str) -> jax.Device:
-    """The device the checked path runs on; a RuntimeError when JAX sees none of that platform."""
-    return jax.devices(platform)[0]
 
 
 def check_kernel(cases, *, interpret: bool) -> list[Result]:
@@ -140,40 +118,16 @@ def check_tokens(name: str, make_model: Callable, prompts, steps: int, *, device
     return compare_tokens(name, checked, reference)
 
 
-def timed(f, *args, repeats: int) -> float:
-    """Median seconds of f(*args) once compiled."""
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def copy_bandwidth(num_bytes: int, repeats: int) -> float:
-    """Bytes/s of reading and writing an array of num_bytes on the default device."""
-    x = jnp.ones(num_bytes // 4, jnp.float32)
-    return 2 * num_bytes / timed(jax.jit(lambda a: a + 1), x, repeats=repeats)
-
-
-def smollm2_decode_case(num_seqs: int, context: int) -> kernel_testing.Case:
-    """One layer of a bfloat16 decode batch of SmolLM2's shapes: num_seqs sequences of context tokens."""
-    return kernel_testing.Case(q_lens=(1,) * num_seqs, seq_lens=(context,) * num_seqs, num_heads=9, num_kv_heads=3,
-                               head_dim=64, block_size=16, dtype=jnp.bfloat16)
-
-
 def decode_bandwidth(*, interpret: bool, num_seqs: int = 64, context: int = 2048, repeats: int = 20) -> Result:
     """K/V bytes/s the kernel reaches on one layer of a bfloat16 decode batch of SmolLM2's shapes."""
     case = smollm2_decode_case(num_seqs, context)
     batch = kernel_testing.make_batch(case, poison=0.0)
     attend = jax.jit(lambda *a: paged_attention(*a, max_query_len=1, interpret=interpret))
-    seconds = timed(attend, *batch.args, repeats=repeats)
-    kv_bytes = 2 * num_seqs * context * case.num_kv_heads * case.head_dim * jnp.dtype(case.dtype).itemsize
-    kv_rate, copy_rate = kv_bytes / seconds, copy_bandwidth(max(kv_bytes, 64 << 20), repeats)
-    figures = {"seqs_x_context": f"{num_seqs} x {context}", "kv_mb_read": round(kv_bytes / 1e6, 1),
-               "kernel_us": round(seconds * 1e6, 1), "kv_gb_per_s": _figure(kv_rate / 1e9),
-               "copy_gb_per_s": _figure(copy_rate / 1e9), "share_of_copy": round(kv_rate / copy_rate, 3)}
+    seconds, read = timed(attend, *batch.args, repeats=repeats), kv_bytes(case)
+    kv_rate, copy_rate = read / seconds, copy_bandwidth(max(read, 64 << 20), repeats)
+    figures = {"seqs_x_context": f"{num_seqs} x {context}", "kv_mb_read": round(read / 1e6, 1),
+               "kernel_us": round(seconds * 1e6, 1), "kv_gb_per_s": figure(kv_rate / 1e9),
+               "copy_gb_per_s": figure(copy_rate / 1e9), "share_of_copy": round(kv_rate / copy_rate, 3)}
     return Result("decode-bandwidth", True, figures)
 
 
@@ -247,18 +201,6 @@ def run(args) -> list[Result]:
           f"attention backend {backend!r}", flush=True)
     results = []
 
-    def record(name: str, part: Callable[[], list[Result]]):
-        """Runs one part; an exception fails that part (traceback printed) and the next part still runs."""
-        try:
-            new = part()
-        except Exception as e:  # a first run on new hardware: every part's verdict is worth having
-            traceback.print_exc()
-            new = [Result(name, False, {"error": f"{type(e).__name__}: {str(e)[:300]}"})]
-        for r in new:
-            print(f"[{'PASS' if r.ok else 'FAIL'}] {r.name}: " + ", ".join(f"{k} {v}" for k, v in r.figures.items()),
-                  flush=True)
-        results.extend(new)
-
     def on(f, *a, **kw):
         """f(*a, **kw) with the checked device as JAX's default."""
         with jax.default_device(device):
@@ -267,27 +209,28 @@ def run(args) -> list[Result]:
     cases = (kernel_testing.CASES[0], kernel_testing.CASES[5]) if args.quick else kernel_testing.CASES
     if not args.skip_kernel:
         for case in cases:
-            record(f"kernel {kernel_testing.case_id(case)}", lambda c=case: on(check_kernel, [c], interpret=interpret))
+            results += record(f"kernel {kernel_testing.case_id(case)}",
+                              lambda c=case: on(check_kernel, [c], interpret=interpret))
     if not args.skip_tiny:
         tiny = lambda: (random_model(TINY_LLAMA), TINY_LLAMA, None)
         prompts = tiny_prompts(args.tiny_prompts, TINY_LLAMA.vocab_size)
-        record("tokens tiny-llama", lambda: [check_tokens("tokens tiny-llama", tiny, prompts, args.steps,
-                                                          device=device, backend=backend)])
+        results += record("tokens tiny-llama", lambda: [check_tokens("tokens tiny-llama", tiny, prompts, args.steps,
+                                                                     device=device, backend=backend)])
     if args.quick:
         return results
     if not args.skip_smollm2:
         smollm2 = lambda: models.load_model(args.model, dtype=jnp.float32)
         name = f"tokens {args.model}"
-        record(name, lambda: [check_tokens(name, smollm2, SMOLLM2_PROMPTS, args.steps, device=device,
-                                           backend=backend)])
+        results += record(name, lambda: [check_tokens(name, smollm2, SMOLLM2_PROMPTS, args.steps, device=device,
+                                                      backend=backend)])
     if not args.skip_bandwidth:
         num_seqs, context = args.bandwidth_shape
-        record("decode-bandwidth", lambda: [on(decode_bandwidth, interpret=interpret, num_seqs=num_seqs,
-                                               context=context)])
-        record("decode vs JAX's Pallas kernel", lambda: [on(decode_against_jax_kernel, interpret=interpret,
-                                                             num_seqs=num_seqs, context=context)])
+        results += record("decode-bandwidth", lambda: [on(decode_bandwidth, interpret=interpret, num_seqs=num_seqs,
+                                                          context=context)])
+        results += record("decode vs JAX's Pallas kernel", lambda: [on(
+            decode_against_jax_kernel, interpret=interpret, num_seqs=num_seqs, context=context)])
     if not args.skip_w1:
-        record("w1", lambda: [on(check_w1, args.model, args.workload, args.w1_requests)])
+        results += record("w1", lambda: [on(check_w1, args.model, args.workload, args.w1_requests)])
     return results
 
 

@@ -51,8 +51,9 @@ def test_a_part_that_raises_fails_alone(capsys):
     def broken():
         raise ValueError("no")
 
-    assert bench_gpu.record("x", broken) == ["FAIL"]
-    assert bench_gpu.record("y", lambda: (_ for _ in ()).throw(bench_gpu.Skip("not here"))) == ["SKIP"]
+    assert [r.verdict for r in bench_gpu.record("x", broken)] == ["FAIL"]
+    assert [r.verdict for r in bench_gpu.record("y", lambda: (_ for _ in ()).throw(bench_gpu.Skip("not here")))] == [
+        "SKIP"]
     out = capsys.readouterr().out
     assert "[FAIL] x: error ValueError: no" in out and "[SKIP] y: why not here" in out
 
