@@ -22,7 +22,7 @@ EXIT_GROUP_FAILED:
   A process that dies makes the others' next collective fail at once (its connections close); a group
   cannot recover from a failed operation (its processes may no longer agree), so it ends;
 - a process that falls silent (its host gone): JAX's coordination service misses its heartbeats for
-  `timeout` seconds and ends every process itself.
+  `heartbeat_timeout` seconds (by default `timeout`) and ends every process itself.
 """
 
 import argparse
@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
 import pickle
 import sys
@@ -59,10 +60,13 @@ class DistributedConfig:
     process_id: int | None = None
     # Seconds to join, for one operation of the group, and of silence before a process counts as dead.
     timeout: int = DEFAULT_TIMEOUT
+    # Seconds of silence alone, where they should differ: a dead host found sooner than a slow start or a
+    # first step's compile may take. None: `timeout`.
+    heartbeat_timeout: int | None = None
 
     def __post_init__(self):
-        if self.timeout < 1:
-            raise ValueError(f"timeout must be >= 1 s, got {self.timeout}")
+        if self.timeout < 1 or (self.heartbeat_timeout is not None and self.heartbeat_timeout < 1):
+            raise ValueError(f"timeouts must be >= 1 s, got {self.timeout} and {self.heartbeat_timeout}")
         if self.num_processes is not None and self.num_processes < 1:
             raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
         if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or self.process_id + 1):
@@ -85,13 +89,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--distributed-timeout", type=int, default=DEFAULT_TIMEOUT,
                        help="seconds to join, for one step of the group, and of silence before a process counts "
                             "as dead (default: %(default)s)")
+    group.add_argument("--distributed-heartbeat-timeout", type=int, default=None,
+                       help="seconds of silence before a process counts as dead, where it should differ from "
+                            "--distributed-timeout")
 
 
 def config_from_args(args: argparse.Namespace) -> DistributedConfig | None:
     """The config `add_arguments`' flags ask for, or None when they ask for no group."""
     if not (args.distributed or args.coordinator_address or args.num_processes or args.process_id is not None):
         return None
-    return DistributedConfig(args.coordinator_address, args.num_processes, args.process_id, args.distributed_timeout)
+    return DistributedConfig(args.coordinator_address, args.num_processes, args.process_id, args.distributed_timeout,
+                             args.distributed_heartbeat_timeout)
 
 
 def initialize_from_args(args: argparse.Namespace) -> None:
@@ -113,7 +121,8 @@ def initialize(config: DistributedConfig) -> None:
                                    f"(process 0, at {where}) cannot be reached, or not every process started"):
         jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id,
                                    initialization_timeout=config.timeout + 10,
-                                   heartbeat_timeout_seconds=config.timeout, shutdown_timeout_seconds=config.timeout)
+                                   heartbeat_timeout_seconds=config.heartbeat_timeout or config.timeout,
+                                   shutdown_timeout_seconds=config.timeout)
     _config = config
     _name = f"process {jax.process_index()} of {jax.process_count()}"
     # Before JAX's own exit handler (they run last registered first), whose shutdown waits for every process.
@@ -144,6 +153,9 @@ def agree(num_blocks: int, described: object) -> int:
     global _followers_waiting
     if jax.process_count() == 1:
         return num_blocks
+    # This is the group's first collective, and gloo gives processes 30 s to meet at one; hosts build
+    # their engines at their own pace (a slower disk, a busy machine), so they meet at a barrier first.
+    _guarded("waiting for every process to build its engine", _barrier, "engine built")
     mine = np.array([num_blocks, zlib.crc32(repr(described).encode()) & 0x7FFFFFFF], np.int32)
     rows = _guarded("agreeing on the engine", multihost_utils.process_allgather, mine)
     if len(set(rows[:, 1].tolist())) > 1:
@@ -220,6 +232,18 @@ def _broadcast(message: object) -> object:
         buffer[:size] = data
     buffer = multihost_utils.broadcast_one_to_all(buffer)
     return message if leader else pickle.loads(buffer[:size].tobytes())
+
+
+_barriers = itertools.count()  # barrier names are used once: each is numbered, in the order every process meets them
+
+
+def _barrier(name: str) -> None:
+    """Wait until every process of the group has come here, for up to the group's timeout (and a little
+    more: _guarded's watchdog, which says what was waited for, ends it first)."""
+    from jax._src import distributed as jax_distributed  # the coordination service's client has no public door
+
+    jax_distributed.global_state.client.wait_at_barrier(f"paged_jax: {name} {next(_barriers)}",
+                                                        (_config.timeout + 10) * 1000)
 
 
 def _guarded(what: str, fn, *args):

@@ -2,7 +2,7 @@
 tensor_parallel_run's engines split over every process's devices, and as the leader runs the workload
 through each and prints the results as one JSON line; as a follower, follows.
 
-    python tests/distributed_run.py PORT NUM_PROCESSES PROCESS_ID TIMEOUT MODE RUN...
+    python tests/distributed_run.py PORT NUM_PROCESSES PROCESS_ID TIMEOUT HEARTBEAT_TIMEOUT MODE RUN...
 
 MODE "once": each run's workload once. MODE "endless": the leader prints "stepping" after its first
 steps and then runs the workload again and again, until a process of the group dies. MODE "idle": the
@@ -32,9 +32,9 @@ def endless(engine) -> None:
 
 
 def main(argv: list[str]) -> None:
-    port, num_processes, process_id, timeout, mode, *names = argv
+    port, num_processes, process_id, timeout, heartbeat_timeout, mode, *names = argv
     distributed.initialize(distributed.DistributedConfig(f"127.0.0.1:{port}", int(num_processes), int(process_id),
-                                                         int(timeout)))
+                                                         int(timeout), int(heartbeat_timeout)))
     results = {}
     for name in names:
         engine = tp.make_engine(name, tensor_parallel_size=jax.device_count())
