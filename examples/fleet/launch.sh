@@ -3,16 +3,17 @@
 # ports 8001-8004 and the gateway on 4000. Every process stops with this script (Ctrl-C).
 #
 #     pip install -e '.[fleet]'                  # LiteLLM (make setup-dev installs it too)
-#     sh examples/fleet/launch.sh                # MODEL=path/to/model CANARY_ARGS='--max-num-seqs 64' ...
+#     sh examples/fleet/launch.sh                # MODEL=path/to/model SERVE_ARGS=... CANARY_ARGS=...
 #     curl -s localhost:4000/v1/chat/completions -H 'Content-Type: application/json' \
 #         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
 #
 # On GPUs give each replica its own device (CUDA_VISIBLE_DEVICES) or host; the config's api_base lines
-# then name those hosts. The canary is the same model with CANARY_ARGS: a new build or new options.
+# then name those hosts. SERVE_ARGS go to every replica (on a small CPU, '--max-num-seqs 16' shortens the
+# warm-up); CANARY_ARGS to the canary alone: the same model with new options (or a new build).
 set -eu
 cd "$(dirname "$0")/../.."
 MODEL="${MODEL:-smollm2-135m}"
-ARGS="--served-model-name smollm2-135m --disable-uvicorn-access-log --log-level warning"
+ARGS="--served-model-name smollm2-135m --disable-uvicorn-access-log --log-level warning ${SERVE_ARGS:-}"
 pids=""
 trap 'kill $pids 2>/dev/null' EXIT INT TERM
 
