@@ -116,11 +116,12 @@ class Attention(nnx.Module):
         self.o_panels: nnx.Param | None = nnx.data(None)
 
     def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str,
-                 kv_layout: str, mesh=None):
+                 kv_layout: str, mesh=None, lora=None):
         """x: [num_tokens, hidden]; cos, sin: float32 [num_tokens, num_slots * head_dim // 2], every
         frequency set of rope.inv_freq side by side (this layer takes its rope_slot's);
         k_pages, v_pages: this layer's pages in kv_layout (kernels_pallas/layout.py); mesh: a
-        jax.sharding.Mesh to split attention over (models/sharding.py), or None on one device.
+        jax.sharding.Mesh to split attention over (models/sharding.py), or None on one device;
+        lora: this layer's lora.LayerLoRA, whose deltas add to q/k/v and o, or None (no adapters).
 
         Returns the output [num_tokens, hidden] and the pages holding this step's K/V.
         """
@@ -131,6 +132,11 @@ class Attention(nnx.Module):
                      value(self.qkv_panels), self.onednn_rows)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...]
+        if lora is not None:  # after the bias, as PEFT adds it to the base layer's output
+            dq, dk, dv = lora.delta("qkv", x)
+            kv_heads = (x.shape[0], c.num_kv_heads, 1, c.head_dim)
+            qkv = qkv + jnp.concatenate([dq.reshape(x.shape[0], c.num_kv_heads, g, c.head_dim), dk.reshape(kv_heads),
+                                         dv.reshape(kv_heads)], axis=2)
         qk = qkv[:, :, : g + 1]
         if c.qk_norm:  # before the rotation, as Qwen3 and Gemma 3 do
             qk = jnp.concatenate([self.q_norm(qk[:, :, :g]), self.k_norm(qk[:, :, g:])], axis=2)
@@ -151,9 +157,12 @@ class Attention(nnx.Module):
             return out, k_pages, v_pages
 
         out, k_pages, v_pages = per_kv_head(attend, mesh, kv_layout)(q, k, v, k_pages, v_pages, metadata)
-        out = linear(out.reshape(x.shape[0], -1), self.o[...], (c.hidden_size,), self.packed, rows,
-                     value(self.o_panels), self.onednn_rows)
-        return out, k_pages, v_pages
+        out = out.reshape(x.shape[0], -1)
+        projected = linear(out, self.o[...], (c.hidden_size,), self.packed, rows, value(self.o_panels),
+                           self.onednn_rows)
+        if lora is not None:
+            projected = projected + lora.delta("o", out)[0]
+        return projected, k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -167,12 +176,16 @@ class MLP(nnx.Module):
         self.gate_up_panels: nnx.Param | None = nnx.data(None)
         self.down_panels: nnx.Param | None = nnx.data(None)
 
-    def __call__(self, x: jax.Array, rows=None) -> jax.Array:
+    def __call__(self, x: jax.Array, rows=None, lora=None) -> jax.Array:
         """x: [num_tokens, hidden] -> [num_tokens, hidden]; act(gate) * up, then down (SwiGLU or GeGLU as
         config.hidden_act says). rows: int32 scalar, the leading rows that are real tokens (the packed
-        matmuls skip the rest), or None: all."""
+        matmuls skip the rest), or None: all. lora: the layer's lora.LayerLoRA, or None."""
         c = self.config
         gate_up = linear(x, self.gate_up[...], (2, c.intermediate_size), self.packed, rows,
                          value(self.gate_up_panels), self.onednn_rows)
-        return linear(ACTIVATIONS[c.hidden_act](gate_up[:, 0]) * gate_up[:, 1], self.down[...], (c.hidden_size,),
-                      self.packed, rows, value(self.down_panels), self.onednn_rows)
+        if lora is not None:
+            gate_up = gate_up + jnp.stack(lora.delta("gate_up", x), axis=1)
+        hidden = ACTIVATIONS[c.hidden_act](gate_up[:, 0]) * gate_up[:, 1]
+        out = linear(hidden, self.down[...], (c.hidden_size,), self.packed, rows, value(self.down_panels),
+                     self.onednn_rows)
+        return out if lora is None else out + lora.delta("down", hidden)[0]

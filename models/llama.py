@@ -24,12 +24,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, k_pages, v_pages, metadata: AttentionMetadata, attn_backend: str,
-                 kv_layout: str, mesh=None):
-        """x: [num_tokens, hidden]; the rest as Attention.__call__ takes them. Returns (x, k_pages, v_pages)."""
+                 kv_layout: str, mesh=None, lora=None):
+        """x: [num_tokens, hidden]; the rest as Attention.__call__ takes them (lora: this layer's
+        lora.LayerLoRA or None, for the attention and the MLP). Returns (x, k_pages, v_pages)."""
         attn, k_pages, v_pages = self.attn(self.input_norm(x), cos, sin, k_pages, v_pages, metadata, attn_backend,
-                                           kv_layout, mesh)
+                                           kv_layout, mesh, lora)
         x = x + attn
-        return x + self.mlp(self.post_attention_norm(x), metadata.query_start_loc[-1]), k_pages, v_pages
+        return x + self.mlp(self.post_attention_norm(x), metadata.query_start_loc[-1], lora), k_pages, v_pages
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -1,0 +1,158 @@
+"""LoRA adapters on the device: fixed slots of low-rank weights, and the delta they add to each
+projection of a flat batch whose rows may each use a different adapter.
+
+Slot s in [0, max_loras] names what a row runs with: 0 the base model alone, s >= 1 the adapter loaded
+into slot s. Only slots 1..max_loras are held (slot 0's weights would be zeros), every adapter padded
+with zeros to max_rank (which changes no product), its scale (alpha / r, or alpha / sqrt(r) under
+rsLoRA) folded into B. Loading an adapter is one jitted, donated update of fixed shapes (`load_into`),
+compiled once whatever the adapter.
+
+The delta follows Punica's BGMV in spirit, every row at once, but without gathering a copy of the
+weights per row (a 512-token prefill would copy them 512 times): each projection's A of every slot is
+one matrix, x @ A_all gives every slot's rank-r activations, a one-hot of each row's slot keeps its own
+and zeroes the others, and that times B_all (every slot's B stacked on the rank axis) is the delta. Two
+dense matmuls whose weights are read once per step; their work grows with max_loras, not with how many
+adapters the step uses. Zeros add exactly, so a row's delta is its own adapter's, to rounding.
+
+Projections that share an input share one A matmul: q/k/v (the fused qkv of layers.Attention) and
+gate/up (layers.MLP's gate_up); each part keeps its own B, so nothing block-diagonal is multiplied.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+# The fused projections of a layer and the Hugging Face modules each one computes, in its output order.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+TARGETS = tuple(m for modules in GROUPS.values() for m in modules)
+
+
+def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """(in, out) features of a Hugging Face projection of this config."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
+            "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, c.intermediate_size),
+            "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}[module]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAProjection:
+    """Every slot's adapter for one fused projection of one layer.
+
+    a: [in, max_loras, parts, max_rank], each part's A (x @ a[:, s, p] is part p's rank activations).
+    b: one [max_loras, max_rank, out_p] per part, scale folded in.
+    """
+
+    a: jax.Array
+    b: tuple[jax.Array, ...]
+
+    def delta(self, x: jax.Array, onehot: jax.Array) -> tuple[jax.Array, ...]:
+        """x: [num_tokens, in]; onehot: [num_tokens, max_loras] in x's dtype, row t's slot s >= 1 at s - 1
+        (all zeros: the base model). Returns each part's delta [num_tokens, out_p]."""
+        k, n, parts, r = self.a.shape
+        h = jnp.dot(x, self.a.reshape(k, n * parts * r)).reshape(-1, n, parts, r) * onehot[:, :, None, None]
+        return tuple(jnp.dot(h[:, :, p].reshape(-1, n * r), b.reshape(n * r, -1)) for p, b in enumerate(self.b))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerLoRA:
+    """What one decoder layer's projections take: their slots' weights, and each row's slot as a one-hot."""
+
+    projections: dict[str, LoRAProjection]  # GROUPS' names
+    onehot: jax.Array  # [num_tokens, max_loras], the activations' dtype
+
+    def delta(self, group: str, x: jax.Array) -> tuple[jax.Array, ...]:
+        """The delta of projection `group` (a GROUPS name) on its input x [num_tokens, in], one per part."""
+        return self.projections[group].delta(x, self.onehot)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAWeights:
+    """Every layer's slots: layers[i][group] is layer i's LoRAProjection of that GROUPS name."""
+
+    layers: tuple[dict[str, LoRAProjection], ...]
+
+    @property
+    def max_loras(self) -> int:
+        return self.layers[0]["o"].a.shape[1]
+
+    @property
+    def max_rank(self) -> int:
+        return self.layers[0]["o"].a.shape[3]
+
+    def for_step(self, slots: jax.Array, dtype) -> tuple[LayerLoRA, ...]:
+        """slots: int32 [num_tokens], each row's slot (0: none) -> each layer's LayerLoRA."""
+        onehot = (slots[:, None] == jnp.arange(1, self.max_loras + 1)).astype(dtype)
+        return tuple(LayerLoRA(projections, onehot) for projections in self.layers)
+
+
+def _projection(config: ModelConfig, group: str, make, lead: tuple[int, ...], rank: int) -> LoRAProjection:
+    modules = GROUPS[group]
+    fan_in = module_shape(config, modules[0])[0]
+    return LoRAProjection(make((fan_in, *lead, len(modules), rank)),
+                          tuple(make((*lead, rank, module_shape(config, m)[1])) for m in modules))
+
+
+def empty(config: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32) -> LoRAWeights:
+    """max_loras empty slots (zeros) of rank max_rank for every layer and projection of this config."""
+    if max_loras < 1 or max_rank < 1:
+        raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be at least 1")
+    make = lambda shape: jnp.zeros(shape, dtype)
+    return LoRAWeights(tuple({g: _projection(config, g, make, (max_loras,), max_rank) for g in GROUPS}
+                             for _ in range(config.num_layers)))
+
+
+def host_slot(config: ModelConfig, max_rank: int, dtype, modules: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]],
+              scale: float) -> LoRAWeights:
+    """One adapter as one slot's worth of host arrays (LoRAWeights with max_loras 1, without the slot axis),
+    for `load_into`.
+
+    modules: (layer, Hugging Face module name) -> (A [r, in], B [out, r]) as PEFT stores them (torch's
+    Linear layout), r <= max_rank; a module not given gets zeros. scale multiplies B (in float32, before
+    the cast to dtype).
+    """
+    dtype = np.dtype(dtype)
+    layers = []
+    for i in range(config.num_layers):
+        projections = {}
+        for group, names in GROUPS.items():
+            projection = _projection(config, group, lambda shape: np.zeros(shape, dtype), (), max_rank)
+            for p, name in enumerate(names):
+                if (i, name) in modules:
+                    a, b = modules[i, name]
+                    r = a.shape[0]
+                    projection.a[:, p, :r] = a.T
+                    projection.b[p][:r] = (b.astype(np.float32) * np.float32(scale)).T
+            projections[group] = projection
+        layers.append(projections)
+    return LoRAWeights(tuple(layers))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def load_into(weights: LoRAWeights, slot: jax.Array, adapter: LoRAWeights) -> LoRAWeights:
+    """weights with slot `slot` (int32 scalar, 1..max_loras) holding `adapter` (host_slot's arrays; zeros
+    free the slot). weights is donated: the update is in place. One program for every adapter and slot."""
+    index = slot - 1
+
+    def put(group: LoRAProjection, new: LoRAProjection) -> LoRAProjection:
+        a = jax.lax.dynamic_update_index_in_dim(group.a, new.a.astype(group.a.dtype), index, axis=1)
+        b = tuple(jax.lax.dynamic_update_index_in_dim(old, part.astype(old.dtype), index, axis=0)
+                  for old, part in zip(group.b, new.b, strict=True))
+        return LoRAProjection(a, b)
+
+    return LoRAWeights(tuple({g: put(layer[g], new[g]) for g in GROUPS}
+                             for layer, new in zip(weights.layers, adapter.layers, strict=True)))
