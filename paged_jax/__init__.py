@@ -32,6 +32,7 @@ _EXPORTS = {
     "RequestOutputKind": "paged_jax.core.sampling_params",
     "RequestOutput": "paged_jax.core.outputs",
     "CompletionOutput": "paged_jax.core.outputs",
+    "LoRARequest": "paged_jax.core.lora_request",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -28,6 +28,8 @@ class StepInput:
     logits_indices: jax.Array  # int32 [num_head_rows] row of each sequence's last new token, then 0s
     cos: jax.Array  # f32 [num_tokens, rotary_dim // 2] rope.cos_sin of the positions, made on the host
     sin: jax.Array  # f32 [num_tokens, rotary_dim // 2]
+    # int32 [num_tokens] each row's LoRA slot, 0: none (adapters.with_row_slots); None without LoRA.
+    lora_slots: jax.Array | None = None
 
 
 def padding_step_input(shape: StepShape, num_head_rows: int, rope_freq: np.ndarray) -> StepInput:

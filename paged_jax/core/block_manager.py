@@ -183,19 +183,20 @@ class BlockManager:
 
     # Prefix caching.
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int], root: int = ROOT_HASH) -> list[int]:
         """Cached blocks of the longest prefix of token_ids, leaving at least one token to compute
-        (its logits are needed). The caller shares them once admission is certain."""
+        (its logits are needed). The caller shares them once admission is certain. root: the parent of
+        the first block's name (Sequence.prefix_root: a LoRA adapter's K/V is its own)."""
         if self.cache is None:
             return []
-        return self.cache.match(block_hashes(token_ids[:-1], self.block_size))
+        return self.cache.match(block_hashes(token_ids[:-1], self.block_size, root))
 
     def cache_full_blocks(self, token_ids: list[int], block_ids: list[int], num_cached: int, num_computed: int,
-                          hashes: list[int] | None = None) -> int:
+                          hashes: list[int] | None = None, root: int = ROOT_HASH) -> int:
         """Name the blocks that became full and computed; returns the new count of named blocks.
 
         hashes: the sequence's block names so far, extended here, so that each is computed once (a
-        name chains every earlier block's tokens)."""
+        name chains every earlier block's tokens); root: as match_prefix takes it."""
         full = num_computed // self.block_size
         if self.cache is None or full <= num_cached:
             return num_cached
@@ -203,7 +204,7 @@ class BlockManager:
         if len(hashes) < full:
             start = len(hashes) * self.block_size
             hashes += block_hashes(token_ids[start : full * self.block_size], self.block_size,
-                                   hashes[-1] if hashes else ROOT_HASH)
+                                   hashes[-1] if hashes else root)
         newly_held = [b for h, b in zip(hashes[num_cached:full], block_ids[num_cached:full]) if self.cache.insert(h, b)]
         self.share(newly_held)
         return full

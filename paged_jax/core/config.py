@@ -110,12 +110,19 @@ class EngineConfig:
     num_scheduler_steps: int | None = _option(
         None, f"decode steps per dispatch while every sequence decodes (default: {AUTO_DECODE_STEPS} on a GPU, 1 on the CPU)")
 
+    # LoRA adapters (vLLM's names): max_loras device slots of rank max_lora_rank (models/lora.py), the host
+    # copies of max_cpu_loras adapters (None: max_loras). Float32 or bfloat16 weights on one device.
+    enable_lora: bool = _option(False, "serve LoRA adapters over the base model, each request naming its own")
+    max_loras: int = _option(1, "LoRA adapters on the device at once (each step may mix them all)")
+    max_lora_rank: int = _option(16, "the largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = _option(None, "LoRA adapters kept in host memory (default: max_loras)")
+
     def __post_init__(self):
         if isinstance(self.async_scheduling, bool):
             object.__setattr__(self, "async_scheduling", "on" if self.async_scheduling else "off")
         for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "tensor_parallel_size", "max_num_partial_prefills",
-                     "num_scheduler_steps"):
+                     "num_scheduler_steps", "max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -300,7 +307,8 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
                           buckets=StepBuckets(config.max_num_batched_tokens, config.max_num_seqs,
                                               max_blocks_per_seq, backend),
                           scheduling=choose_scheduling(config, platform),
-                          num_scheduler_steps=config.num_scheduler_steps or (1 if platform == "cpu" else AUTO_DECODE_STEPS))
+                          num_scheduler_steps=config.num_scheduler_steps or (
+                              1 if platform == "cpu" or config.enable_lora else AUTO_DECODE_STEPS))
 
 
 def choose_scheduling(config: EngineConfig, platform: str) -> BackendChoice:

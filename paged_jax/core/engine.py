@@ -21,10 +21,12 @@ import models
 from models.loader import shard_model
 from paged_jax.core import (beam_search, compilation_cache, cpu_matmul, distributed, engine_stats, output_processor,
                             structured_output, validation)
+from paged_jax.core.adapters import AdapterSlots
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig, default_device, default_dtype, resolve
 from paged_jax.core.engine_stats import EngineStats
 from paged_jax.core.errors import RequestError
+from paged_jax.core.lora_request import LoRARequest
 from paged_jax.core.model_runner import ModelRunner
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.request import Request
@@ -80,8 +82,17 @@ class LLMEngine:
         if self.resolved.matmul_backend == "cpu":
             model = model.pack_for_cpu(self.config.quantization, cpu_matmul.onednn_rows(
                 self.config, model_config, self.resolved.buckets.token_buckets()))
+        self.adapters = None
+        if self.config.enable_lora:
+            if mesh is not None:
+                raise ValueError("LoRA adapters run on one device: enable_lora needs tensor_parallel_size 1")
+            if self.resolved.num_scheduler_steps > 1:
+                raise ValueError("multi-step decode does not run LoRA adapters yet: enable_lora needs "
+                                 "num_scheduler_steps 1")
+            self.adapters = AdapterSlots(model_config, self.config.max_loras, self.config.max_lora_rank,
+                                         self.config.max_cpu_loras or self.config.max_loras, weights_dtype)
         self.runner = ModelRunner(model, model_config, self.resolved, mesh,
-                                  max_decode_steps=self.resolved.num_scheduler_steps)
+                                  max_decode_steps=self.resolved.num_scheduler_steps, adapters=self.adapters)
         self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
                                    self.config.enable_prefix_caching)
         # The C++ matmuls compute a step's real tokens only (models/llama.py), so its padding costs
@@ -89,7 +100,7 @@ class LLMEngine:
         padding_costs = self.resolved.matmul_backend != "cpu"
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner,
                                    token_buckets=tuple(self.resolved.buckets.token_buckets()) if padding_costs else (),
-                                   max_model_len=self.resolved.max_model_len)
+                                   max_model_len=self.resolved.max_model_len, adapters=self.adapters)
         self._in_flight: _InFlight | None = None  # the step dispatched and not yet read (async scheduling)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
@@ -119,17 +130,23 @@ class LLMEngine:
                             max_num_seqs=self.config.max_num_seqs, scheduling_policy=self.config.scheduling_policy)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a prompt (text or token ids). Everything is checked here, never inside a step: a
         refused request raises RequestError (validation.py) and leaves the engine as it was.
 
         priority: under scheduling_policy "priority", lower runs first; any other policy refuses a
         priority other than 0 (as vLLM does), rather than silently ignoring it. arrival_time: when the
         request reached a front end (time.monotonic()), so that its metrics count the time it spent
-        there; now when None."""
+        there; now when None. lora_request: the LoRA adapter to run with (enable_lora), read here if it is
+        not in host memory."""
         params = params or SamplingParams()
         limits = self.limits
         validation.check_request(prompt, params, priority, limits, has_tokenizer=self.tokenizer is not None)
+        if lora_request is not None:
+            if self.adapters is None:
+                raise RequestError("LoRA adapters are not enabled (enable_lora)", "lora_request")
+            self.adapters.check(lora_request)
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -145,7 +162,7 @@ class LLMEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(seq_id=seq_id, request_id=request_id, token_ids=list(token_ids),
                        num_prompt_tokens=len(token_ids), params=seq_params, seed=seed, arrival_time=arrival_time,
-                       priority=priority, forks=1 if params.use_beam_search else params.n)
+                       priority=priority, forks=1 if params.use_beam_search else params.n, lora=lora_request)
         self._requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
                                              list(token_ids), params, [seq], arrival_time, self.tokenizer)
         self.gate.add(seq)

@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 
 from models import DEFAULT_MODEL
 from paged_jax.core.engine import LLMEngine
+from paged_jax.core.lora_request import LoRARequest
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -39,9 +40,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """prompts: a text, a list of token ids, or a list of either. sampling_params: one for all, or
         one per prompt. priority: one per prompt, for scheduling_policy "priority" (lower runs first).
+        lora_request: the LoRA adapter every prompt runs with, or one (or None: the base model) per prompt.
         Every request is checked before any runs: one bad prompt, or a constraint that does not compile
         (a GrammarError, a RequestError), fails the call and leaves the engine as it was. Each output is
         whole, whatever output_kind the params ask for."""
@@ -54,15 +57,19 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"{len(lora_request)} LoRA requests for {len(prompts)} prompts")
         compiler = self.engine.gate.compiler
         for params in sampling_params:
             if params is not None and params.structured_outputs is not None and compiler is not None:
                 compiler.submit(params.structured_outputs).result()
         ids = []
         try:
-            for prompt, params, rank in zip(prompts, sampling_params, priority):
+            for prompt, params, rank, adapter in zip(prompts, sampling_params, priority, lora_request):
                 whole = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(self.engine.add_request(prompt, whole, priority=rank))
+                ids.append(self.engine.add_request(prompt, whole, priority=rank, lora_request=adapter))
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import rope, sharding
 from paged_jax.core import distributed, kv_blocks, multi_step, packing, sampling, structured_output
+from paged_jax.core.adapters import with_row_slots
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.config import ResolvedConfig
@@ -59,7 +60,7 @@ class ModelGraph:
 
 @functools.partial(jax.jit, static_argnames=("graph", "layout", "attn_backend", "mesh"), donate_argnames=("kv_cache",))
 def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, packed: jax.Array,
-         previous: jax.Array, *, layout: packing.Layout, attn_backend: str, mesh: Mesh | None = None):
+         previous: jax.Array, lora=None, *, layout: packing.Layout, attn_backend: str, mesh: Mesh | None = None):
     """The model's layers over one flat batch.
 
     weights: the model state's leaves, in graph.treedef's order.
@@ -70,6 +71,7 @@ def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, p
     attn_backend: a concrete backend (kernels_pallas.BACKENDS, not "auto": the caller knows the
         platform it compiles for, the trace does not).
     mesh: the mesh that state and kv_cache are split over (tensor parallelism), or None.
+    lora: the LoRA adapters' slots (models.lora.LoRAWeights), which step_input.lora_slots index; None: none.
     Returns (the last layer's output at step_input.logits_indices [num_head_rows, hidden], the cache
     holding the step's K/V).
     """
@@ -79,7 +81,8 @@ def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, p
     input_ids = jnp.where(src >= 0, previous[jnp.maximum(src, 0)], step_input.input_ids)
     hidden, kv_cache = model.hidden_states(input_ids, step_input.positions, kv_cache, step_input.metadata,
                                            attn_backend=attn_backend, mesh=mesh,
-                                           cos_sin=(step_input.cos, step_input.sin))
+                                           cos_sin=(step_input.cos, step_input.sin), lora=lora,
+                                           lora_slots=step_input.lora_slots)
     return hidden[step_input.logits_indices], kv_cache
 
 
@@ -98,9 +101,12 @@ def sample_step(graph: ModelGraph, weights: tuple[jax.Array, ...], hidden: jax.A
 
 class ModelRunner:
     def __init__(self, model, model_config, resolved: ResolvedConfig, mesh: Mesh | None = None,
-                 max_decode_steps: int = 1):
+                 max_decode_steps: int = 1, adapters=None):
         """mesh: what the model is split over (tensor parallelism); the KV cache is split over it too.
-        max_decode_steps: the most decode steps one dispatch may run (multi_step.py); 1: none does more."""
+        max_decode_steps: the most decode steps one dispatch may run (multi_step.py); 1: none does more.
+        adapters: the engine's adapters.AdapterSlots with LoRA enabled, else None (multi-step decode
+        runs without: the engine refuses both)."""
+        self.adapters = adapters
         graphdef, self.state = nnx.split(model)
         self.graph = ModelGraph(graphdef, self.state)
         self._weights = tuple(jax.tree.leaves(self.state))
@@ -182,6 +188,8 @@ class ModelRunner:
         # A row that does not sample this step (a prompt chunk) has nothing to constrain.
         guides = [s.seq.guide if s.samples else None for s in scheduled]
         step_input = build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets, self._rope_freq)
+        if self.adapters is not None:
+            step_input = with_row_slots(step_input, scheduled)
         # A pending token counts as generated (the sampler's step, min_tokens) and, under penalties, is
         # read into the history on the device. Without penalties only the counts are read: ranges of
         # the right length, not copies of every sequence's tokens every step.
@@ -211,7 +219,8 @@ class ModelRunner:
     def _step_args(self, step_input: StepInput) -> tuple[tuple, dict]:
         packed, layout = packing.pack(step_input)
         keywords = dict(layout=layout, attn_backend=self.resolved.attention_backend, mesh=self.mesh)
-        return (self.graph, self._weights, self.kv_cache, packed, self._previous), keywords
+        lora = () if self.adapters is None else (self.adapters.weights,)
+        return (self.graph, self._weights, self.kv_cache, packed, self._previous, *lora), keywords
 
     def sample_args(self, hidden: jax.Array, tensors: sampling.SamplingTensors) -> tuple[tuple, dict]:
         """(args, keywords) that `sample_step` is called with for the model call's output and these tensors."""
@@ -286,6 +295,8 @@ class ModelRunner:
         if self.max_decode_steps > 1:
             self._warm_decode_runs()
         self.swap_in(self.swap_out([0]), [self.resolved.num_blocks])
+        if self.adapters is not None:
+            self.adapters.warm_up()
 
     def _warm_decode_runs(self) -> None:
         """Every multi-step program: a decode step's shape and sampler rows for each number of rows,
@@ -300,7 +311,10 @@ class ModelRunner:
                 self.collect(self.dispatch_decode(run))
 
     def _padding_step(self, shape) -> StepInput:
-        return padding_step_input(shape, self.resolved.buckets.num_head_rows, self._rope_freq)
+        step_input = padding_step_input(shape, self.resolved.buckets.num_head_rows, self._rope_freq)
+        if self.adapters is not None:
+            step_input = with_row_slots(step_input, [])
+        return step_input
 
     @distributed.replicated
     def warm_step(self, step_input: StepInput, samplers: list[sampling.SamplingTensors]) -> None:

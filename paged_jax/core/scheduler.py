@@ -50,10 +50,13 @@ class KVSwapper(Protocol):
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: KVSwapper | None = None,
-                 token_buckets: tuple[int, ...] = (), max_model_len: int | None = None):
+                 token_buckets: tuple[int, ...] = (), max_model_len: int | None = None, adapters=None):
         """token_buckets: the step sizes the model runs at, ascending (buckets.py); none: steps cost by
         their tokens alone (replay.py's model), and prompt chunks are not cut to fit. max_model_len: the
-        context length, past which a sequence whose pending token reaches it is not scheduled."""
+        context length, past which a sequence whose pending token reaches it is not scheduled. adapters:
+        the engine's adapters.AdapterSlots (with LoRA enabled): a sequence with an adapter is admitted once
+        its adapter is in a slot."""
+        self.adapters = adapters
         self.config = config
         self.max_model_len = max_model_len
         self.token_buckets = token_buckets
@@ -134,7 +137,7 @@ class Scheduler:
         # block holding a pending token is named once the token is read, a step later.
         seq.num_cached_blocks = self.blocks.cache_full_blocks(
             seq.token_ids, seq.block_ids, seq.num_cached_blocks,
-            min(seq.num_computed_tokens + num_new, len(seq.token_ids)), seq.block_hashes)
+            min(seq.num_computed_tokens + num_new, len(seq.token_ids)), seq.block_hashes, seq.prefix_root)
 
     def _ends_when_read(self, seq: Sequence) -> bool:
         """Whether seq's pending token ends it by length: a step after it would be computed for nothing."""
@@ -209,7 +212,7 @@ class Scheduler:
         """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
         if seq.swapped_kv is not None:
             return self._swap_in(seq, budget)
-        cached = self.blocks.match_prefix(seq.token_ids[: seq.num_computable_tokens])
+        cached = self.blocks.match_prefix(seq.token_ids[: seq.num_computable_tokens], seq.prefix_root)
         num_computed = len(cached) * self.blocks.block_size
         seq.num_computed_tokens = num_computed
         num_new = self._num_new_tokens(seq, budget)
@@ -218,7 +221,8 @@ class Scheduler:
         need = self._blocks_for(num_computed + num_new) - len(cached)
         partial = num_computed + num_new < seq.num_computable_tokens
         if (num_new == 0 or (partial and self._num_partial_prefills(out) >= self.config.max_num_partial_prefills)
-                or budget.delays_first_tokens(num_new) or not self.blocks.can_allocate(need, keep=cached)):
+                or budget.delays_first_tokens(num_new) or not self.blocks.can_allocate(need, keep=cached)
+                or not self._adapter_in_slot(seq)):
             seq.num_computed_tokens = 0
             return 0
         self.blocks.share(cached)
@@ -227,11 +231,18 @@ class Scheduler:
         seq.num_prefix_hit_tokens = max(seq.num_prefix_hit_tokens, num_computed)
         return num_new
 
+    def _adapter_in_slot(self, seq: Sequence) -> bool:
+        """Whether seq's LoRA adapter, if it has one, is in a device slot (loaded now if a slot is free)."""
+        if seq.lora is None:
+            return True
+        seq.lora_slot = self.adapters.acquire(seq.lora, self.running)
+        return seq.lora_slot > 0
+
     def _swap_in(self, seq: Sequence, budget: StepBudget) -> int:
         num_blocks = self._blocks_for(seq.num_computed_tokens)
         num_new = self._num_new_tokens(seq, budget)
         need = self._blocks_for(seq.num_computed_tokens + num_new)
-        if num_new == 0 or not self.blocks.can_allocate(need):
+        if num_new == 0 or not self.blocks.can_allocate(need) or not self._adapter_in_slot(seq):
             return 0
         seq.block_ids = self.blocks.allocate(need)
         self.swapper.swap_in(seq.swapped_kv, seq.block_ids[:num_blocks])

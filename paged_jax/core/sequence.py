@@ -4,6 +4,8 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
+from paged_jax.core.lora_request import LoRARequest
+from paged_jax.core.prefix_cache import ROOT_HASH
 from paged_jax.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,6 +61,10 @@ class Sequence:
     beam_candidates: list[tuple[int, float]] | None = None
     # Structured outputs: the matcher of the sequence's constraint, advanced with each output token.
     guide: "Guide | None" = None
+    # The LoRA adapter it runs with (None: the base model), and the device slot holding it while it runs
+    # (adapters.py; 0: none).
+    lora: LoRARequest | None = None
+    lora_slot: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -84,6 +90,11 @@ class Sequence:
         """Tokens computed before the sequence samples: all of them, but for a parent of n samples
         all but the last, which each sample computes for itself once the parent forks."""
         return self.num_tokens - 1 if self.forks > 1 else self.num_tokens
+
+    @property
+    def prefix_root(self) -> int:
+        """Where its blocks' names in the prefix cache chain from: its adapter's own root, if it has one."""
+        return ROOT_HASH if self.lora is None else self.lora.prefix_root
 
     @property
     def is_finished(self) -> bool:
