@@ -89,6 +89,23 @@ def make_tiny_model(arch: str, **config_overrides) -> torch.nn.Module:
     return model
 
 
+def make_peft_adapter(hf_model, folder: Path, seed: int, **lora_config) -> torch.nn.Module:
+    """PEFT's model of a random LoRA adapter (peft.LoraConfig(**lora_config)) over a copy of hf_model, every
+    A and B normal (B non-zero, unlike PEFT's initialization), saved in folder with save_pretrained."""
+    import copy
+
+    import peft
+
+    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(**lora_config)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(folder)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """arch -> (folder holding config.json and model.safetensors, the transformers model), made once."""

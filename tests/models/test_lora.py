@@ -2,19 +2,17 @@
 its own adapter (or none), against PEFT's own model of each adapter; and the adapters PEFT can save that
 the model does not run, refused by name."""
 
-import copy
 import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import peft
 import pytest
 import torch
 from flax import nnx
 
-from conftest import hf_greedy
+from conftest import hf_greedy, make_peft_adapter as make_adapter
 from models import load_model, lora, peft_adapter
 from test_models import GREEDY_STEPS, paged_greedy, random_prompts, ragged_logits
 
@@ -27,19 +25,6 @@ ADAPTERS = {
     "mlp_layer1": dict(r=16, lora_alpha=12, target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"],
                        layers_to_transform=[1]),
 }
-
-
-def make_adapter(hf_model, folder, seed: int, **config) -> torch.nn.Module:
-    """PEFT's model of a random adapter over a copy of hf_model (every A and B normal, B non-zero), saved
-    in folder with save_pretrained."""
-    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(**config)).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
-    model.save_pretrained(folder)
-    return model
 
 
 @pytest.fixture(scope="module", params=("llama3", "qwen2"))
