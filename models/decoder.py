@@ -21,7 +21,7 @@ from flax import nnx
 from kernels_pallas import AttentionMetadata, KVCache, cpu_kernel
 from models import layers, rope
 from models.config import ModelConfig
-from models.lora import LoRAWeights
+from models.lora import LoRARows, LoRAWeights
 from models.sharding import TP_AXIS
 
 
@@ -67,7 +67,7 @@ class DecoderLM(nnx.Module):
         attn_backend: str = "auto",
         mesh=None,
         lora: LoRAWeights | None = None,
-        lora_slots: jax.Array | None = None,
+        lora_rows: LoRARows | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """One engine step over a flat ragged batch: `hidden_states`, then `logits` of the wanted rows.
 
@@ -76,14 +76,14 @@ class DecoderLM(nnx.Module):
         Returns logits float32 [num_seqs, vocab] and the cache holding this step's K/V.
         """
         x, kv_cache = self.hidden_states(input_ids, positions, kv_cache, metadata, attn_backend=attn_backend,
-                                         mesh=mesh, lora=lora, lora_slots=lora_slots)
+                                         mesh=mesh, lora=lora, lora_rows=lora_rows)
         # Only the sampled rows go through the final norm and the lm_head, the largest matmul.
         return self.logits(x[logits_indices]), kv_cache
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, metadata: AttentionMetadata,
                       *, attn_backend: str = "auto", mesh=None,
                       cos_sin: tuple[jax.Array, jax.Array] | None = None, lora: LoRAWeights | None = None,
-                      lora_slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                      lora_rows: LoRARows | None = None) -> tuple[jax.Array, KVCache]:
         """The decoder layers over a flat ragged batch, before the final norm.
 
         input_ids: int32 [num_tokens]; padding tokens carry slot -1 in metadata.slot_mapping.
@@ -94,14 +94,14 @@ class DecoderLM(nnx.Module):
             each, where the caller has them (the engine makes them on the host); else computed here.
             Computed in the program, XLA fuses them into every layer's rotary op and so evaluates cos and
             sin again for every layer and head: 34 ms of a 1,024-token step on the CPU.
-        lora: the adapters' slots (models/lora.py), with lora_slots int32 [num_tokens] each row's slot
-            (0: the base model); None, and the model is the base model alone, its program unchanged.
+        lora: the adapters' slots (models/lora.py), with lora_rows which of them each row runs with; None,
+            and the model is the base model alone, its program unchanged.
         Returns the last layer's output [num_tokens, hidden] and the cache holding this step's K/V.
         """
         cos, sin = cos_sin if cos_sin is not None else rope.cos_sin(positions, rope.inv_freq(self.config))
         x = self.embed_tokens(input_ids)
         ks, vs = [], []
-        adapters = lora.for_step(lora_slots, x.dtype) if lora is not None else (None,) * len(self.layers)
+        adapters = lora.for_step(lora_rows, x.dtype) if lora is not None else (None,) * len(self.layers)
         for layer, k_pages, v_pages, adapter in zip(self.layers, kv_cache.k, kv_cache.v, adapters, strict=True):
             x, k_pages, v_pages = _decoder_layer(*nnx.split(layer), x, cos, sin, k_pages, v_pages, metadata, adapter,
                                                  attn_backend=attn_backend, kv_layout=kv_cache.layout, mesh=mesh)

@@ -81,6 +81,26 @@ class LayerLoRA:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class LoRARows:
+    """Which adapter each row of a flat batch runs with.
+
+    slots: int32 [U], the slots the rows use (1..max_loras; 0 pads). U == max_loras means every slot in
+        order (1, 2, ..., max_loras) and the weights are used as they are; a smaller U (a step whose rows
+        use one adapter) gathers those slots' weights first, and the delta's work shrinks to U slots.
+    index: int32 [num_tokens], each row's place in slots, or -1: the base model alone.
+    """
+
+    slots: jax.Array
+    index: jax.Array
+
+    @staticmethod
+    def every_slot(row_slots: jax.Array, max_loras: int) -> "LoRARows":
+        """The rows of row_slots (int32 [num_tokens], each row's slot, 0: none) over every slot."""
+        return LoRARows(jnp.arange(1, max_loras + 1, dtype=jnp.int32), row_slots - 1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LoRAWeights:
     """Every layer's slots: layers[i][group] is layer i's LoRAProjection of that GROUPS name."""
 
@@ -94,10 +114,16 @@ class LoRAWeights:
     def max_rank(self) -> int:
         return self.layers[0]["o"].a.shape[3]
 
-    def for_step(self, slots: jax.Array, dtype) -> tuple[LayerLoRA, ...]:
-        """slots: int32 [num_tokens], each row's slot (0: none) -> each layer's LayerLoRA."""
-        onehot = (slots[:, None] == jnp.arange(1, self.max_loras + 1)).astype(dtype)
-        return tuple(LayerLoRA(projections, onehot) for projections in self.layers)
+    def for_step(self, rows: LoRARows, dtype) -> tuple[LayerLoRA, ...]:
+        """Each layer's LayerLoRA for a step whose rows are `rows`, its one-hot in dtype."""
+        used = rows.slots.shape[0]
+        onehot = (rows.index[:, None] == jnp.arange(used)).astype(dtype)
+        layers = self.layers
+        if used != self.max_loras:
+            index = jnp.maximum(rows.slots - 1, 0)
+            take = lambda p: LoRAProjection(jnp.take(p.a, index, axis=1), tuple(jnp.take(b, index, axis=0) for b in p.b))
+            layers = tuple({g: take(p) for g, p in layer.items()} for layer in layers)
+        return tuple(LayerLoRA(projections, onehot) for projections in layers)
 
 
 def _projection(config: ModelConfig, group: str, make, lead: tuple[int, ...], rank: int) -> LoRAProjection:

@@ -49,8 +49,10 @@ def slots_with(config, adapters, order) -> lora.LoRAWeights:
     return weights
 
 
-def forward_with(graphdef, weights: lora.LoRAWeights, seq_slots: list[int]):
-    """A forward as test_models' helpers call it, each sequence i of the batch on slot seq_slots[i]."""
+def forward_with(graphdef, weights: lora.LoRAWeights, seq_slots: list[int], rows=None):
+    """A forward as test_models' helpers call it, each sequence i of the batch on slot seq_slots[i]; rows:
+    row slots (int32 [num_tokens]) -> LoRARows, over every slot unless given."""
+    make_rows = rows or (lambda slots: lora.LoRARows.every_slot(slots, MAX_LORAS))
     seq_slots = jnp.asarray(seq_slots, jnp.int32)
 
     @functools.partial(jax.jit, donate_argnames=("kv_cache",))
@@ -59,7 +61,7 @@ def forward_with(graphdef, weights: lora.LoRAWeights, seq_slots: list[int]):
         seq = jnp.searchsorted(metadata.query_start_loc, rows, side="right") - 1
         slots = jnp.where(rows < metadata.query_start_loc[-1], seq_slots[jnp.clip(seq, 0, len(seq_slots) - 1)], 0)
         return nnx.merge(graphdef, state)(input_ids, positions, kv_cache, metadata, logits_indices, lora=weights,
-                                          lora_slots=slots)
+                                          lora_rows=make_rows(slots))
 
     return forward
 
@@ -146,3 +148,18 @@ def test_adapter_for_another_base_is_refused(tiny_checkpoint, tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps(config | dict(peft_type="IA3")))
     with pytest.raises(ValueError, match="IA3"):
         peft_adapter.read(adapter, load_model(folder).config)
+
+
+def test_one_adapter_over_its_slot_alone_matches_peft(base):
+    """A step whose rows use one adapter (and the base model) gathers that slot alone (LoRARows of one slot)."""
+    model, config, hf_model, adapters = base
+    graphdef, state = nnx.split(model)
+    slot = ORDER.index("all_rslora") + 1
+    one = lambda slots: lora.LoRARows(jnp.asarray([slot], jnp.int32), jnp.where(slots == slot, 0, -1))
+    forward = forward_with(graphdef, slots_with(config, adapters, ORDER), [slot, 0, slot], rows=one)
+    prompts = random_prompts(config, (7, 13, 30))
+    for name, prompt, got in zip(("all_rslora", None, "all_rslora"), prompts,
+                                 ragged_logits(forward, state, config, prompts), strict=True):
+        with torch.no_grad():
+            want = (hf_model if name is None else adapters[name][1])(torch.tensor([prompt])).logits[0].numpy()
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), name
