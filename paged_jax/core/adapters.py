@@ -30,6 +30,7 @@ class AdapterSlots:
         # Committed to the device, as load_into's outputs are: the step compiles once for both.
         self.weights = jax.tree.map(lambda x: jax.device_put(x, x.sharding),
                                     lora.empty(model_config, max_loras, max_rank, dtype))
+        self.max_loras = max_loras
         self.held: list[int | None] = [None] * max_loras  # the adapter id in slot s + 1
         self._loads = collections.Counter()  # slot -> when it was last loaded (a load count)
         self._host: collections.OrderedDict[int, lora.LoRAWeights] = collections.OrderedDict()
@@ -78,10 +79,34 @@ class AdapterSlots:
         self.held[0] = None
 
 
-def with_row_slots(step_input, scheduled):
-    """step_input (batch.StepInput) with lora_slots: int32 [num_tokens], each row its sequence's slot, 0 for
-    padding and for sequences without an adapter."""
-    slots = np.zeros(step_input.input_ids.shape[0], np.int32)
+# Steps of this many tokens and more whose rows use one adapter (prefill, mostly) run the delta over its
+# slot alone (lora.LoRARows): over every slot, the delta's work is max_loras times one adapter's, 26% of a
+# 512-token SmolLM2 prefill with 4 slots against 7% (scripts/bench_lora.py). Each such step shape then has
+# a second program, for steps that mix adapters; below, one program over every slot serves all (decode:
+# the step reads every slot's weights once whatever it does).
+ONE_SLOT_MIN_TOKENS = 128
+
+
+def with_lora_rows(step_input, scheduled, max_loras: int, *, every_slot: bool = False):
+    """step_input (batch.StepInput) with its lora_rows: each row on its sequence's slot (Sequence.lora_slot;
+    padding and sequences without an adapter: none), over one slot where the step allows (unless every_slot)."""
+    num_tokens = step_input.input_ids.shape[0]
+    row_slots = np.zeros(num_tokens, np.int32)
     counts = [s.num_new_tokens for s in scheduled]
-    slots[: sum(counts)] = np.repeat(np.fromiter((s.seq.lora_slot for s in scheduled), np.int32, len(counts)), counts)
-    return dataclasses.replace(step_input, lora_slots=slots)
+    row_slots[: sum(counts)] = np.repeat(np.fromiter((s.seq.lora_slot for s in scheduled), np.int32, len(counts)),
+                                         counts)
+    used = {s.seq.lora_slot for s in scheduled} - {0}
+    if num_tokens >= ONE_SLOT_MIN_TOKENS and len(used) <= 1 and not every_slot:
+        slot = used.pop() if used else 0
+        rows = lora.LoRARows(np.asarray([slot], np.int32), np.where(row_slots > 0, 0, -1).astype(np.int32))
+    else:
+        rows = lora.LoRARows(np.arange(1, max_loras + 1, dtype=np.int32), row_slots - 1)
+    return dataclasses.replace(step_input, lora_rows=rows)
+
+
+def padding_forms(step_input, max_loras: int) -> list:
+    """A padding step_input in each form of lora_rows a step of its shape can take, for the warm-up."""
+    forms = [with_lora_rows(step_input, [], max_loras, every_slot=True)]
+    if step_input.input_ids.shape[0] >= ONE_SLOT_MIN_TOKENS:
+        forms.append(with_lora_rows(step_input, [], max_loras))
+    return forms

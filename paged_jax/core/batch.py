@@ -14,6 +14,7 @@ import numpy as np
 
 from kernels_pallas import AttentionMetadata
 from models import rope
+from models.lora import LoRARows
 from paged_jax.core.buckets import StepBuckets, StepShape
 from paged_jax.core.scheduler_output import ScheduledSeq
 
@@ -28,8 +29,8 @@ class StepInput:
     logits_indices: jax.Array  # int32 [num_head_rows] row of each sequence's last new token, then 0s
     cos: jax.Array  # f32 [num_tokens, rotary_dim // 2] rope.cos_sin of the positions, made on the host
     sin: jax.Array  # f32 [num_tokens, rotary_dim // 2]
-    # int32 [num_tokens] each row's LoRA slot, 0: none (adapters.with_row_slots); None without LoRA.
-    lora_slots: jax.Array | None = None
+    # Which LoRA adapter each row runs with (models.lora.LoRARows, adapters.with_lora_rows); None without LoRA.
+    lora_rows: LoRARows | None = None
 
 
 def padding_step_input(shape: StepShape, num_head_rows: int, rope_freq: np.ndarray) -> StepInput:

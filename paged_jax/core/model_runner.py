@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import rope, sharding
 from paged_jax.core import distributed, kv_blocks, multi_step, packing, sampling, structured_output
-from paged_jax.core.adapters import with_row_slots
+from paged_jax.core.adapters import padding_forms, with_lora_rows
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.config import ResolvedConfig
@@ -71,7 +71,7 @@ def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, p
     attn_backend: a concrete backend (kernels_pallas.BACKENDS, not "auto": the caller knows the
         platform it compiles for, the trace does not).
     mesh: the mesh that state and kv_cache are split over (tensor parallelism), or None.
-    lora: the LoRA adapters' slots (models.lora.LoRAWeights), which step_input.lora_slots index; None: none.
+    lora: the LoRA adapters' slots (models.lora.LoRAWeights), which step_input.lora_rows index; None: none.
     Returns (the last layer's output at step_input.logits_indices [num_head_rows, hidden], the cache
     holding the step's K/V).
     """
@@ -82,7 +82,7 @@ def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, p
     hidden, kv_cache = model.hidden_states(input_ids, step_input.positions, kv_cache, step_input.metadata,
                                            attn_backend=attn_backend, mesh=mesh,
                                            cos_sin=(step_input.cos, step_input.sin), lora=lora,
-                                           lora_slots=step_input.lora_slots)
+                                           lora_rows=step_input.lora_rows)
     return hidden[step_input.logits_indices], kv_cache
 
 
@@ -189,7 +189,7 @@ class ModelRunner:
         guides = [s.seq.guide if s.samples else None for s in scheduled]
         step_input = build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets, self._rope_freq)
         if self.adapters is not None:
-            step_input = with_row_slots(step_input, scheduled)
+            step_input = with_lora_rows(step_input, scheduled, self.adapters.max_loras)
         # A pending token counts as generated (the sampler's step, min_tokens) and, under penalties, is
         # read into the history on the device. Without penalties only the counts are read: ranges of
         # the right length, not copies of every sequence's tokens every step.
@@ -287,7 +287,8 @@ class ModelRunner:
                                    SamplingParams(temperature=0, repetition_penalty=1.1),
                                    SamplingParams(repetition_penalty=1.1))]
         for i, shape in enumerate(buckets.shapes()):
-            self.warm_step(self._padding_step(shape), samplers if i == 0 else [])
+            for j, step_input in enumerate(self._padding_steps(shape)):
+                self.warm_step(step_input, samplers if i == j == 0 else [])
         # The step's previous tokens are a sample_step output from here on; warm_step ran on the first
         # ones (_previous), placed where those outputs are, so no program is made twice.
         self.collect(self.dispatch_step(np.zeros((1, 2), np.int32), self._padding_step(buckets.shapes()[0]),
@@ -311,10 +312,12 @@ class ModelRunner:
                 self.collect(self.dispatch_decode(run))
 
     def _padding_step(self, shape) -> StepInput:
+        return self._padding_steps(shape)[0]
+
+    def _padding_steps(self, shape) -> list[StepInput]:
+        """A step of padding of this shape in each form it takes (with LoRA, adapters.padding_forms)."""
         step_input = padding_step_input(shape, self.resolved.buckets.num_head_rows, self._rope_freq)
-        if self.adapters is not None:
-            step_input = with_row_slots(step_input, [])
-        return step_input
+        return [step_input] if self.adapters is None else padding_forms(step_input, self.adapters.max_loras)
 
     @distributed.replicated
     def warm_step(self, step_input: StepInput, samplers: list[sampling.SamplingTensors]) -> None:

@@ -90,12 +90,16 @@ def test_prefix_cache_never_crosses_adapters(setup):
     assert hits[:3] == [0, 0, 0] and hits[3] >= 16
 
 
-def test_adapters_come_and_go_without_a_compile(setup):
-    eng = engine(setup, max_loras=1, max_cpu_loras=1)
+@pytest.mark.parametrize("max_loras", (1, 2))
+def test_adapters_come_and_go_without_a_compile(setup, max_loras):
+    """Steps of up to 256 tokens, so that prefill steps run the delta over one slot (one adapter) or over
+    every slot (several: adapters.ONE_SLOT_MIN_TOKENS); every program was made by the warm-up."""
+    eng = engine(setup, max_loras=max_loras, max_cpu_loras=max_loras, max_num_batched_tokens=256)
     eng.runner.warm_up()
     compiled = eng.runner.num_compiles
     llm = LLM.from_engine(eng)
-    prompts, requests = prompts_and_adapters(setup, 4)
+    prompts, requests = prompts_and_adapters(setup, 6)
+    prompts[1] = prompts[1] * 4  # 140 tokens and more
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)]
     assert got == want(setup, prompts, requests)
     assert eng.adapters.num_loads >= 3 and eng.runner.num_compiles == compiled
