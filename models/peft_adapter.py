@@ -83,7 +83,9 @@ def read(path: str | Path, base: ModelConfig) -> PeftAdapter:
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
         raise ValueError(f"{config_file}: r ({rank!r}) must be a positive integer and lora_alpha ({alpha!r}) a number")
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    with safe_open(weights_file, framework="flax") as f:
+    # numpy's reader, ten times faster here than going through JAX arrays (SmolLM2 at rank 16: 25 against
+    # 200 ms), takes every dtype but bfloat16, which JAX's reads.
+    with safe_open(weights_file, framework="numpy") as f, safe_open(weights_file, framework="flax") as bf16:
         for name in f.keys():
             match = _TENSOR.fullmatch(name)
             if match is None or match[2] not in TARGETS:
@@ -94,7 +96,8 @@ def read(path: str | Path, base: ModelConfig) -> PeftAdapter:
                 raise ValueError(f"{weights_file}: tensor {name} is for layer {layer}; the model has {base.num_layers}")
             fan_in, fan_out = module_shape(base, module)
             want = (rank, fan_in) if half == "A" else (fan_out, rank)
-            array = np.asarray(f.get_tensor(name), np.float32)
+            reader = bf16 if f.get_slice(name).get_dtype() == "BF16" else f
+            array = np.asarray(reader.get_tensor(name), np.float32)
             if array.shape != want:
                 raise ValueError(f"{weights_file}: tensor {name} has shape {array.shape}; rank {rank} and the "
                                  f"base model imply {want}")

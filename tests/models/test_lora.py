@@ -163,3 +163,19 @@ def test_one_adapter_over_its_slot_alone_matches_peft(base):
         with torch.no_grad():
             want = (hf_model if name is None else adapters[name][1])(torch.tensor([prompt])).logits[0].numpy()
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), name
+
+
+def test_bfloat16_adapter_is_read_exactly(tiny_checkpoint, tmp_path):
+    """An adapter saved in bfloat16 (as PEFT saves one trained in bfloat16): its values, widened."""
+    from safetensors.torch import load_file, save_file
+
+    folder, hf_model = tiny_checkpoint("llama3")
+    make_adapter(hf_model, tmp_path, 0, r=4, lora_alpha=8, target_modules=["q_proj"])
+    file = tmp_path / "adapter_model.safetensors"
+    tensors = {name: t.to(torch.bfloat16) for name, t in load_file(file).items()}
+    save_file(tensors, file)
+    read = peft_adapter.read(tmp_path, load_model(folder).config)
+    a, b = read.modules[1, "q_proj"]
+    name = "base_model.model.model.layers.1.self_attn.q_proj.lora_{}.weight"
+    assert np.array_equal(a, tensors[name.format("A")].float().numpy())
+    assert np.array_equal(b, tensors[name.format("B")].float().numpy())
