@@ -14,9 +14,10 @@ Traits = Callable[[str, str], Mapping[str, Any]]
 
 
 def _with_traits(fixed: Mapping[str, Any], stated: dict[str, Any]) -> dict[str, Any]:
-    """The fields a file states, over the architecture's `fixed` traits: a trait is used where the file
-    says nothing (None) of that field, or has no such field at all (Qwen2's q/k/v biases)."""
-    return dict(fixed) | {key: value for key, value in stated.items() if value is not None or key not in fixed}
+    """The fields a file states, over the architecture's `fixed` traits: a trait (else the field's
+    default) is used where the file says nothing (None) of that field, or has no such field at all
+    (Qwen2's q/k/v biases, Mixtral's renormalised top k)."""
+    return dict(fixed) | {key: value for key, value in stated.items() if value is not None}
 
 
 # Sliding layers where a file does not list them: every second layer full in Gemma 2, every sixth in
@@ -81,6 +82,17 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (Gemma)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2, 3)
     attn_logit_softcapping: float | None = None  # attention scores s = cap * tanh(s / cap) (Gemma 2)
+    # Mixture of experts (Qwen3-MoE, Mixtral; models/moe.py): num_experts > 0 makes the MLP of the
+    # sparse layers num_experts gated MLPs of moe_intermediate_size, num_experts_per_tok of them per
+    # token, weighted by the router's softmax (renormalised over those chosen where norm_topk_prob).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # Which layers are sparse (as transformers' Qwen3-MoE says): every decoder_sparse_step-th one,
+    # but not those of mlp_only_layers, which keep a dense MLP of intermediate_size.
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -105,6 +117,16 @@ class ModelConfig:
         for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive or None, got {getattr(self, name)}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0 and self.decoder_sparse_step > 0):
+            raise ValueError(f"a mixture of experts needs 0 < num_experts_per_tok <= num_experts and positive "
+                             f"moe_intermediate_size and decoder_sparse_step, got {self.num_experts_per_tok}, "
+                             f"{self.num_experts}, {self.moe_intermediate_size}, {self.decoder_sparse_step}")
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (else a dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, or None where it attends to the whole context."""
@@ -159,6 +181,7 @@ class ModelConfig:
             raise ValueError(f"{source}: unsupported sliding layers' rope_type {local['rope_type']!r}; only default")
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
         return cls(**_with_traits(fixed, dict(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
@@ -190,6 +213,13 @@ class ModelConfig:
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            # Qwen3-MoE names them num_experts; Mixtral num_local_experts, its experts as wide as a dense MLP.
+            num_experts=experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok") if experts else None,
+            moe_intermediate_size=(hf.get("moe_intermediate_size") or hf["intermediate_size"]) if experts else None,
+            norm_topk_prob=hf.get("norm_topk_prob"),
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )))
 

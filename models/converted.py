@@ -72,7 +72,8 @@ def load(folder: Path, dtype, *, on_device: bool = True) -> tuple[ModelConfig, P
     rope_scaling = fields.pop("rope_scaling")
     config = ModelConfig(**fields | dict(
         rope_scaling=None if rope_scaling is None else Llama3RopeScaling(**rope_scaling),
-        eos_token_ids=tuple(fields["eos_token_ids"]), layer_types=tuple(fields.get("layer_types", ()))))
+        eos_token_ids=tuple(fields["eos_token_ids"]), layer_types=tuple(fields.get("layer_types", ())),
+        mlp_only_layers=tuple(fields.get("mlp_only_layers", ()))))
     # np.save keeps bfloat16 as raw 2-byte values: the view gives them back their type.
     place = _on_device if on_device else lambda array: array
     params = {_state_path(file): place(np.load(file, mmap_mode="c").view(dtype))

@@ -22,6 +22,7 @@ from kernels_pallas import AttentionMetadata, KVCache, cpu_kernel
 from models import layers, rope
 from models.config import ModelConfig
 from models.lora import LoRARows, LoRAWeights
+from models.moe import SparseMoE
 from models.sharding import TP_AXIS
 
 
@@ -159,7 +160,12 @@ class DecoderLM(nnx.Module):
         model = nnx.clone(self)  # new modules and variables, over the same arrays until packed
         packer = cpu_kernel.pack_int8 if quantization == "int8" else cpu_kernel.pack_columns
         for layer in model.layers:
-            for module, names in ((layer.attn, ("qkv", "o")), (layer.mlp, ("gate_up", "down"))):
+            packing = [(layer.attn, ("qkv", "o"))]
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.pack(packer)  # expert by expert, never through oneDNN
+            else:
+                packing.append((layer.mlp, ("gate_up", "down")))
+            for module, names in packing:
                 for name in names:
                     weight = getattr(module, name)
                     if onednn_rows:

@@ -7,7 +7,7 @@ The loader applies the table of the checkpoint's architecture (registry.py), wha
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -19,13 +19,16 @@ Place = Callable[[np.ndarray, ModelConfig], tuple[Any, np.ndarray]]
 
 @dataclasses.dataclass(frozen=True)
 class WeightRule:
-    """One Hugging Face tensor (its name with "{i}" for the layer) and where it lands."""
+    """One Hugging Face tensor (its name with "{i}" for the layer, "{e}" for the expert) and where it lands.
+    An expert's tensor fills that expert's entry of a parameter stacked over experts: the loader puts the
+    expert's index before the one `place` gives."""
 
     hf: str
     param: str  # path in the model's state, dotted, "{i}" for the layer
     hf_shape: Callable[[ModelConfig], tuple[int, ...]]
     place: Place  # (HF array, config) -> (index into the param, value to store there)
     needed: Callable[[ModelConfig], bool] = lambda c: True
+    layers: Callable[[ModelConfig], Iterable[int]] = lambda c: range(c.num_layers)  # the layers that have it
 
 
 def whole(a: np.ndarray, c: ModelConfig):
@@ -66,6 +69,11 @@ def head_dim(c: ModelConfig) -> tuple[int, ...]:
     return (c.head_dim,)
 
 
+def dense_layers(c: ModelConfig) -> list[int]:
+    """The layers with a dense MLP: all but a mixture of experts' sparse ones (models/moe.py)."""
+    return [i for i in range(c.num_layers) if not c.sparse(i)]
+
+
 LAYER = "model.layers.{i}."
 # The rules every family's attention and MLP share: q/k/v (and their biases), the q/k norms, o, gate/up/down.
 ATTENTION_MLP = (
@@ -87,11 +95,11 @@ ATTENTION_MLP = (
     WeightRule(LAYER + "self_attn.o_proj.weight", "layers.{i}.attn.o",
           lambda c: (c.hidden_size, c.num_heads * c.head_dim), transposed),
     WeightRule(LAYER + "mlp.gate_proj.weight", "layers.{i}.mlp.gate_up",
-          lambda c: (c.intermediate_size, c.hidden_size), gate_up(0)),
+          lambda c: (c.intermediate_size, c.hidden_size), gate_up(0), layers=dense_layers),
     WeightRule(LAYER + "mlp.up_proj.weight", "layers.{i}.mlp.gate_up",
-          lambda c: (c.intermediate_size, c.hidden_size), gate_up(1)),
+          lambda c: (c.intermediate_size, c.hidden_size), gate_up(1), layers=dense_layers),
     WeightRule(LAYER + "mlp.down_proj.weight", "layers.{i}.mlp.down",
-          lambda c: (c.hidden_size, c.intermediate_size), transposed),
+          lambda c: (c.hidden_size, c.intermediate_size), transposed, layers=dense_layers),
 )
 # The embedding, the lm_head where it is not tied, the final norm.
 EMBED_HEAD = (

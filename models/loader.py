@@ -38,15 +38,17 @@ class LoadedModel(NamedTuple):
     tokenizer: Any  # a transformers tokenizer; None for a folder without tokenizer files
 
 
-def _expected(config: ModelConfig) -> dict[str, tuple[WeightRule, tuple]]:
-    """Every Hugging Face tensor name this config needs -> (its rule, the param's state path)."""
+def _expected(config: ModelConfig) -> dict[str, tuple[WeightRule, tuple, int | None]]:
+    """Every Hugging Face tensor name this config needs -> (its rule, the param's state path, the
+    expert it holds or None)."""
     expected = {}
     for rule in architecture(config.architecture).weights:
         if not rule.needed(config):
             continue
-        for i in range(config.num_layers) if "{i}" in rule.hf else (0,):
+        for i in rule.layers(config) if "{i}" in rule.hf else (0,):
             path = tuple(int(k) if k.isdigit() else k for k in rule.param.format(i=i).split("."))
-            expected[rule.hf.format(i=i)] = rule, path
+            for e in range(config.num_experts) if "{e}" in rule.hf else (None,):
+                expected[rule.hf.format(i=i, e=e)] = rule, path, e
     return expected
 
 
@@ -90,10 +92,12 @@ def convert(
                 if architecture(config.architecture).ignored(name, config):
                     continue
                 raise ValueError(f"{file}: unexpected tensor {name} for this {config.architecture} config")
-            rule, path = expected[name]
+            rule, path, expert = expected[name]
             if array.shape != (want := rule.hf_shape(config)):
                 raise ValueError(f"{file}: tensor {name} has shape {array.shape}, but the config implies {want}")
             index, value = rule.place(array, config)
+            if expert is not None:
+                index = (expert, *(index if isinstance(index, tuple) else (index,)))
             buffers[path][index] = value
             seen.add(name)
     if missing := [name for name in expected if name not in seen]:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from models import gemma3_weights, llama_weights
+from models import gemma3_weights, llama_weights, moe_weights
 from models.config import ModelConfig
 from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
@@ -30,8 +30,8 @@ class Architecture:
     traits: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
 
-def _llama(**traits) -> Architecture:
-    return Architecture(LlamaForCausalLM, llama_weights.RULES, llama_weights.ignored, MappingProxyType(traits))
+def _llama(weights=llama_weights.RULES, **traits) -> Architecture:
+    return Architecture(LlamaForCausalLM, weights, llama_weights.ignored, MappingProxyType(traits))
 
 
 _GEMMA3 = Architecture(Gemma3ForCausalLM, gemma3_weights.RULES, llama_weights.ignored,
@@ -46,6 +46,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral": _llama(),
     "qwen2": _llama(qkv_bias=True),  # biases on q/k/v
     "qwen3": _llama(qk_norm=True),  # RMSNorm on each q and k head before the rotation
+    # Mixtures of experts (models/moe.py): Qwen3's layers, and Mistral's, with sparse MLPs.
+    "qwen3_moe": _llama(moe_weights.QWEN3_MOE, qk_norm=True),
+    "mixtral": _llama(moe_weights.MIXTRAL, norm_topk_prob=True),  # always renormalises its top k
     "gemma2": _GEMMA2,
     "gemma3_text": _GEMMA3,  # config.json's model_type for Gemma3ForCausalLM
     "gemma3": _GEMMA3,  # GGUF's general.architecture for the same model

@@ -16,8 +16,9 @@ import pytest
 import torch
 import uvicorn
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from models import load_model
 from models.loader import load_tokenizer, resolve
@@ -51,6 +52,17 @@ TINY_ARCHS = {
     "gemma2": (Gemma2ForCausalLM, lambda: Gemma2Config(
         **_TINY | dict(num_hidden_layers=3), head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
         final_logit_softcapping=5.0, attn_logit_softcapping=2.0)),
+    # Mixtures of experts. Qwen3-MoE: 8 experts, top 2 renormalised, a dense layer between two sparse ones.
+    "qwen3_moe": (Qwen3MoeForCausalLM, lambda: Qwen3MoeConfig(
+        **_TINY | dict(num_hidden_layers=3), head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])),
+    # The odd one: top 3 of 6 experts not renormalised, every second layer sparse, experts 40 wide (not
+    # a whole number of the packed matmul's 16-column panels).
+    "qwen3_moe_odd": (Qwen3MoeForCausalLM, lambda: Qwen3MoeConfig(
+        **_TINY | dict(num_hidden_layers=4), head_dim=32, num_experts=6, num_experts_per_tok=3,
+        moe_intermediate_size=40, norm_topk_prob=False, decoder_sparse_step=2)),
+    # Mixtral: Mistral's layers, each with 8 experts as wide as its dense MLP, top 2 always renormalised.
+    "mixtral": (MixtralForCausalLM, lambda: MixtralConfig(**_TINY, num_local_experts=8, num_experts_per_tok=2)),
 }
 
 @pytest.fixture(autouse=True, scope="module")

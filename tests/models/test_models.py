@@ -229,6 +229,9 @@ EXPECTED_SHARDING = {
     "gate_up": (None, None, TP_AXIS),  # column-parallel: intermediate
     "down": (TP_AXIS, None),  # row-parallel: intermediate
     "weight": (None,),  # norms, replicated
+    "router": (None, None),  # replicated: every device routes every token alike
+    "expert_gate_up": (None, None, None, TP_AXIS),  # each expert column-parallel: intermediate
+    "expert_down": (None, TP_AXIS, None),  # each expert row-parallel: intermediate
 }
 
 
