@@ -1,8 +1,9 @@
-"""Qwen3, Gemma 3, Gemma 2 and Mistral past its window through the engine against transformers: greedy
+"""Qwen3, Gemma 3, Gemma 2, Mistral past its window and the mixtures of experts (Qwen3-MoE, the odd one,
+and Mixtral past a window) through the engine against transformers: greedy
 tokens of tiny random checkpoints (conftest.TINY_ARCHS) with chunked prefill and prefix caching on, on
 each CPU attention backend (and under preemption, recomputed or swapped), and on the Pallas kernel in
-its interpreter for a small case. The Gemmas' windows and this Mistral's (8) are shorter than the
-prompts' shared prefix, so sliding layers drop keys in prefill chunks, from cached blocks, and in decode."""
+its interpreter for a small case. The Gemmas' windows and this Mistral's and Mixtral's (8) are shorter
+than the prompts' shared prefix, so sliding layers drop keys in prefill chunks, from cached blocks, and in decode."""
 
 import numpy as np
 import pytest
@@ -14,12 +15,13 @@ from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 STEPS = 16
 
 
-@pytest.fixture(scope="module", params=("qwen3", "gemma3", "gemma2", "mistral-window8"))
+@pytest.fixture(scope="module", params=("qwen3", "gemma3", "gemma2", "mistral-window8", "qwen3_moe", "qwen3_moe_odd",
+                                        "mixtral-window8"))
 def family(request, tiny_checkpoint, tmp_path_factory):
     """(our loaded model, the transformers model) for one architecture."""
-    if request.param == "mistral-window8":  # every layer slides
-        hf_model = make_tiny_model("mistral", sliding_window=8)
-        folder = tmp_path_factory.mktemp("mistral-window8")
+    if request.param.endswith("-window8"):  # every layer slides
+        hf_model = make_tiny_model(request.param.removesuffix("-window8"), sliding_window=8)
+        folder = tmp_path_factory.mktemp(request.param)
         hf_model.save_pretrained(folder)
     else:
         folder, hf_model = tiny_checkpoint(request.param)
