@@ -44,3 +44,11 @@ def random_model(config: ModelConfig = TINY_LLAMA, *, dtype=jnp.float32, seed: i
 
     nnx.update(model, jax.tree_util.tree_unflatten(tree, [draw(p, x, k) for (p, x), k in zip(leaves, keys)]))
     return model
+
+# Qwen3-MoE in small, for the same uses: 8 experts, top 2 renormalised, a dense layer between two sparse
+# ones; experts 32 wide and the dense MLP 96, both split evenly over 2 or 4 devices.
+TINY_QWEN3_MOE = ModelConfig(
+    architecture="qwen3_moe", vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+    num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512, qk_norm=True,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(1,),
+)

@@ -233,6 +233,25 @@ def test_config_read_from_config_json(tiny_checkpoint):
     assert smollm2.tie_word_embeddings and not llama3.tie_word_embeddings
     assert (smollm2.num_heads, smollm2.num_kv_heads, smollm2.group_size) == (4, 2, 2)
     assert llama3.eos_token_ids == (2,)
+    assert llama3.num_experts == 0 and not any(llama3.sparse(i) for i in range(llama3.num_layers))
+
+
+def test_moe_config_read_from_config_json(tiny_checkpoint):
+    """Which layers are sparse, how wide the experts are, and whether the top k is renormalised."""
+    def config(arch):
+        return ModelConfig.from_hf_config(json.loads((tiny_checkpoint(arch)[0] / "config.json").read_text()))
+
+    qwen3_moe, odd, mixtral = map(config, ("qwen3_moe", "qwen3_moe_odd", "mixtral"))
+    assert (qwen3_moe.num_experts, qwen3_moe.num_experts_per_tok, qwen3_moe.moe_intermediate_size) == (8, 2, 48)
+    assert qwen3_moe.qk_norm and qwen3_moe.norm_topk_prob and qwen3_moe.intermediate_size == 96
+    assert [qwen3_moe.sparse(i) for i in range(3)] == [True, False, True]  # mlp_only_layers [1]
+    assert (odd.num_experts, odd.num_experts_per_tok, odd.norm_topk_prob) == (6, 3, False)
+    assert [odd.sparse(i) for i in range(4)] == [False, True, False, True]  # decoder_sparse_step 2
+    # Mixtral: experts as wide as intermediate_size, always renormalised (its config has no such field).
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (8, 96, True)
+    assert not mixtral.qk_norm and all(mixtral.sparse(i) for i in range(2))
+    with pytest.raises(ValueError, match="0 < num_experts_per_tok <= num_experts"):
+        dataclasses.replace(mixtral, num_experts_per_tok=9)
 
 
 def test_config_is_frozen_and_checked(folder):

@@ -1,5 +1,6 @@
 """models/sharding.py on the host: when KV heads are copied, how, and which meshes are refused; and a
-Gemma 3 (q/k norms, sliding layers) split over forced host devices, token for token as on one."""
+Gemma 3 (q/k norms, sliding layers) and a Qwen3-MoE (experts split) over forced host devices, token for
+token as on one."""
 
 import dataclasses
 import json
@@ -51,27 +52,41 @@ def test_copied_kv_heads_keep_the_query_heads_in_order():
 
 
 # Runs in a subprocess: XLA_FLAGS must force the host devices before JAX starts.
-_GEMMA3_TP = """
+_TP_RUN = """
 import json, numpy as np
-from models.tiny import TINY_GEMMA3, random_model
+from models import tiny
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
+config = getattr(tiny, {config!r})
 prompts = [np.random.default_rng(i).integers(2, 320, n).tolist() for i, n in enumerate((5, 19, 30))]
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-tokens = {}
+tokens = {{}}
 for size in (1, 2, 4):
-    engine = LLMEngine(random_model(TINY_GEMMA3), TINY_GEMMA3, None, EngineConfig(
+    engine = LLMEngine(tiny.random_model(config), config, None, EngineConfig(
         tensor_parallel_size=size, block_size=8, num_blocks=64, max_num_batched_tokens=16))
     tokens[size] = [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
 print(json.dumps(tokens))
 """
 
 
+def tokens_over_1_2_and_4_devices(config: str) -> dict[str, list[list[int]]]:
+    """Greedy tokens of models.tiny's `config` (a random model) on 1, 2 and 4 forced host devices."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    run = subprocess.run([sys.executable, "-c", _TP_RUN.format(config=config)],
+                         cwd=Path(__file__).resolve().parents[2],
+                         env=os.environ | {"XLA_FLAGS": flags}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def test_gemma3_over_2_and_4_devices_matches_one():
     """2 devices split the 2 KV heads (and their q/k norms' inputs), 4 copy each twice; the sliding
     layers' windows (8, the prompts pass it) and chunked prefill in play."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    run = subprocess.run([sys.executable, "-c", _GEMMA3_TP], cwd=Path(__file__).resolve().parents[2],
-                         env=os.environ | {"XLA_FLAGS": flags}, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    tokens = json.loads(run.stdout.strip().splitlines()[-1])
+    tokens = tokens_over_1_2_and_4_devices("TINY_GEMMA3")
+    assert tokens["2"] == tokens["1"] and tokens["4"] == tokens["1"]
+
+
+def test_qwen3_moe_over_2_and_4_devices_matches_one():
+    """Every expert split over its intermediate axis (as the dense MLP of the layer between), the
+    router on every device: the same experts chosen for every token, and the same tokens."""
+    tokens = tokens_over_1_2_and_4_devices("TINY_QWEN3_MOE")
     assert tokens["2"] == tokens["1"] and tokens["4"] == tokens["1"]
