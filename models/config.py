@@ -238,7 +238,10 @@ class ModelConfig:
             return default
 
         arch = get("general.architecture")
-        fixed = traits(arch, source)
+        experts = metadata.get(f"{arch}.expert_count") or 0
+        # llama.cpp writes Mixtral as "llama" with experts.
+        architecture = "mixtral" if arch == "llama" and experts else arch
+        fixed = traits(architecture, source)
         scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise ValueError(f"{source}: unsupported rope scaling {scaling!r} in GGUF metadata")
@@ -257,7 +260,7 @@ class ModelConfig:
         if arch in _GEMMA_27B_LAYERS and "<end_of_turn>" in (tokens := metadata.get("tokenizer.ggml.tokens") or []):
             eos.append(tokens.index("<end_of_turn>"))  # a chat turn's end, an end of generation to llama.cpp too
         return cls(**_with_traits(fixed, dict(
-            architecture=arch,
+            architecture=architecture,
             vocab_size=metadata.get(f"{arch}.vocab_size") or len(get("tokenizer.ggml.tokens")),
             hidden_size=hidden,
             intermediate_size=get(f"{arch}.feed_forward_length"),
@@ -278,4 +281,12 @@ class ModelConfig:
             if arch in _GEMMA_27B_LAYERS else None,
             final_logit_softcapping=metadata.get(f"{arch}.final_logit_softcapping"),
             attn_logit_softcapping=metadata.get(f"{arch}.attn_logit_softcapping"),
+            num_experts=experts,
+            # The layers without a router keep a dense MLP (llama.cpp's files have every layer sparse).
+            mlp_only_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
+            if experts else None,
+            num_experts_per_tok=metadata.get(f"{arch}.expert_used_count") if experts else None,
+            moe_intermediate_size=metadata.get(f"{arch}.expert_feed_forward_length",
+                                               metadata.get(f"{arch}.feed_forward_length")) if experts else None,
+            norm_topk_prob=metadata.get(f"{arch}.expert_weights_norm"),
         )))

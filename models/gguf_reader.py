@@ -34,7 +34,21 @@ _GEMMA_NAMES = _HF_NAMES | {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_ARCH_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
+# Mixtures of experts: the router, and each expert's projection, which the file stacks over experts
+# ("{e}": `tensors` yields one tensor per expert, as a Hugging Face checkpoint holds them).
+_QWEN3_MOE_NAMES = _HF_NAMES | {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+_MIXTRAL_NAMES = _HF_NAMES | {  # a "llama" file with experts (config.from_gguf_metadata)
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+}
+_ARCH_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "qwen3moe": _QWEN3_MOE_NAMES, "mixtral": _MIXTRAL_NAMES}
 # Architectures whose norms are (1 + w): llama.cpp's converter stores 1 + w, Hugging Face's checkpoints w.
 _UNIT_OFFSET_NORMS = {"gemma2", "gemma3"}
 _NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
@@ -76,10 +90,13 @@ def tensors(reader: gguf.GGUFReader, config: ModelConfig, path: Path) -> Iterato
         name = hf_name(tensor.name, config.architecture)
         if config.architecture in _UNIT_OFFSET_NORMS and name.endswith("norm.weight"):
             array = array - 1.0
-        # Only the "llama" architecture's q/k are permuted by llama.cpp (Qwen2 uses NeoX-style rope).
-        # A tensor of the wrong shape passes through untouched for the loader to report.
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        # Only the "llama" architecture's q/k are permuted by llama.cpp (Qwen2 uses NeoX-style rope), Mixtral's
+        # among them. A tensor of the wrong shape passes through untouched for the loader to report.
+        if config.architecture in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
             if array.shape[0] == heads * config.head_dim:
                 array = _unpermute(array, heads)
-        yield name, array
+        if "{e}" in name:  # [num_experts, out, in]: one tensor per expert
+            yield from ((name.format(e=e), expert) for e, expert in enumerate(array))
+        else:
+            yield name, array

@@ -48,6 +48,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": _llama(qk_norm=True),  # RMSNorm on each q and k head before the rotation
     # Mixtures of experts (models/moe.py): Qwen3's layers, and Mistral's, with sparse MLPs.
     "qwen3_moe": _llama(moe_weights.QWEN3_MOE, qk_norm=True),
+    "qwen3moe": _llama(moe_weights.QWEN3_MOE, qk_norm=True, norm_topk_prob=True),  # GGUF's name; llama.cpp renormalises
     "mixtral": _llama(moe_weights.MIXTRAL, norm_topk_prob=True),  # always renormalises its top k
     "gemma2": _GEMMA2,
     "gemma3_text": _GEMMA3,  # config.json's model_type for Gemma3ForCausalLM

@@ -1,7 +1,8 @@
-"""Qwen3, Gemma 3 and Gemma 2 from GGUF files written as llama.cpp's converter writes them (its tensor
-names and metadata keys; Gemma's norms stored as 1 + w; Gemma's matmul weights in Q8_0): the loaded
-config, and greedy tokens through the paged cache equal to transformers'. The Gemmas' files are read by
-transformers' own GGUF loader too, an independent reading of the same names and keys."""
+"""Qwen3, Gemma 3, Gemma 2, Qwen3-MoE and Mixtral from GGUF files written as llama.cpp's converter writes
+them (its tensor names and metadata keys; Gemma's norms stored as 1 + w; Gemma's matmul weights in Q8_0;
+experts stacked): the loaded config, and greedy tokens through the paged cache equal to transformers'.
+The Gemmas' files are read by transformers' own GGUF loader too, an independent reading of the same
+names and keys."""
 
 import gguf
 import numpy as np
@@ -28,6 +29,9 @@ _NAMES = {
                               "post_feedforward_layernorm": "post_ffw_norm"},
 }
 _NAMES["gemma2"] = _NAMES["gemma3"]
+# transformers holds a sparse layer's experts fused and stacked (gate and up in one); llama.cpp's files
+# hold them stacked, gate and up apart, and name the router ffn_gate_inp.
+_NAMES["qwen3moe"] = _NAMES["llama"] = _NAMES["qwen3"] | {"mlp.gate": "ffn_gate_inp"}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -36,7 +40,24 @@ def gguf_name(name: str, arch: str) -> str:
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
     _, _, layer, part = stem.split(".", 3)
+    if part.startswith("mlp.experts."):  # already llama.cpp's name (moe_tensors)
+        return f"blk.{layer}.{part.removeprefix('mlp.experts.')}.{kind}"
     return f"blk.{layer}.{_NAMES[arch][part]}.{kind}"
+
+
+def moe_tensors(state_dict):
+    """(name, float32 array) of a transformers state dict, each sparse layer's fused experts split into
+    llama.cpp's three stacked tensors [num_experts, out, in] (named by their llama.cpp names)."""
+    for name, tensor in state_dict.items():
+        data = tensor.numpy().astype(np.float32)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2 * intermediate, hidden], gate first
+            gate, up = np.split(data, 2, axis=1)
+            yield name.replace("gate_up_proj", "ffn_gate_exps.weight"), gate
+            yield name.replace("gate_up_proj", "ffn_up_exps.weight"), up
+        elif name.endswith("mlp.experts.down_proj"):
+            yield name.replace("down_proj", "ffn_down_exps.weight"), data
+        else:
+            yield name, data
 
 
 def write_gguf(path, hf_model, arch: str, *, q8_0: bool):
@@ -50,8 +71,9 @@ def write_gguf(path, hf_model, arch: str, *, q8_0: bool):
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
+    head_dim = c.head_dim or c.hidden_size // c.num_attention_heads  # Mixtral's config may leave it None
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
@@ -60,11 +82,20 @@ def write_gguf(path, hf_model, arch: str, *, q8_0: bool):
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if experts := getattr(c, "num_experts", 0):
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+            if not c.norm_topk_prob:  # what llama.cpp's qwen3moe assumes unless the file says otherwise
+                writer.add_expert_weights_norm(False)
     tied = c.tie_word_embeddings
-    for name, tensor in hf_model.state_dict().items():
+    for name, data in moe_tensors(hf_model.state_dict()):
         if tied and name == "lm_head.weight":
             continue
-        data = tensor.numpy().astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's rope order
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(data.shape)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1.0
         if q8_0 and data.ndim == 2 and data.shape[1] % 32 == 0:
@@ -156,5 +187,25 @@ def test_qwen3_gguf_matches_its_checkpoint(tiny_checkpoint, tmp_path, monkeypatc
     loaded = load_model(write_gguf(tmp_path / "tiny-qwen3.gguf", hf_model, "qwen3", q8_0=False))
     c = loaded.config
     assert (c.architecture, c.head_dim, c.qk_norm, c.window(0)) == ("qwen3", 32, True, None)
+    prompts = random_prompts(c, (9, 23, 14))
+    assert _greedy(loaded, prompts) == [hf_greedy(hf_model, p, GREEDY_STEPS) for p in prompts]
+
+
+@pytest.mark.parametrize("arch, gguf_arch", [("qwen3_moe", "qwen3moe"), ("qwen3_moe_odd", "qwen3moe"),
+                                             ("mixtral", "llama")])
+def test_moe_gguf_matches_its_checkpoint(tiny_checkpoint, tmp_path, monkeypatch, arch, gguf_arch):
+    """Qwen3-MoE as "qwen3moe", Mixtral as llama.cpp writes it: a "llama" file with experts (q/k in its
+    rope order); experts stacked in ffn_{gate,up,down}_exps, a dense layer's MLP as ever. The files are
+    float32, so greedy tokens equal the checkpoint's, as for Qwen3."""
+    monkeypatch.setenv("PAGED_JAX_CACHE_DIR", str(tmp_path))
+    _, hf_model = tiny_checkpoint(arch)
+    loaded = load_model(write_gguf(tmp_path / f"tiny-{arch}.gguf", hf_model, gguf_arch, q8_0=False))
+    c, hc = loaded.config, hf_model.config
+    assert c.architecture == {"qwen3moe": "qwen3moe", "llama": "mixtral"}[gguf_arch]
+    assert (c.num_experts, c.num_experts_per_tok) == (hc.num_experts, hc.num_experts_per_tok)
+    assert c.moe_intermediate_size == getattr(hc, "moe_intermediate_size", hc.intermediate_size)
+    assert c.norm_topk_prob == getattr(hc, "norm_topk_prob", True)  # Mixtral's always
+    assert [c.sparse(i) for i in range(c.num_layers)] == [type(layer.mlp).__name__.endswith("SparseMoeBlock")
+                                                          for layer in hf_model.model.layers]
     prompts = random_prompts(c, (9, 23, 14))
     assert _greedy(loaded, prompts) == [hf_greedy(hf_model, p, GREEDY_STEPS) for p in prompts]
