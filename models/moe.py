@@ -1,18 +1,19 @@
 """The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top k of E gated
 MLPs (the experts), and the token's output is their outputs weighted by the router's probabilities.
 
-Routing is transformers' to the letter: router logits in the weights' dtype, softmax in float32 over all
-E experts, the top k of those probabilities, renormalised to sum to 1 where config.norm_topk_prob (always
-in Mixtral), then cast to the activations' dtype.
+Routing is transformers': router logits in the weights' dtype, softmax in float32 over all E experts, the
+top k of those probabilities, renormalised to sum to 1 where config.norm_topk_prob (always in Mixtral),
+then cast to the activations' dtype (as Qwen3-MoE's; transformers' Mixtral weighs its bfloat16 experts'
+outputs by the float32 weights, a rounding apart; in float32 both are the same).
 
 The experts run as one grouped matmul over the token copies sorted by expert: each (token, choice) pair is
 a row, rows are sorted by their expert, and group_sizes (a bincount of the choices) says how many rows
 each expert takes; every row meets its own expert's weights only, never all E. Two forms of it:
 - `jax.lax.ragged_dot`, JAX's grouped matmul, where the weights are XLA's (unpacked, or split over a
-  mesh). On TPU and GPU it lowers to a grouped-matmul kernel; on the CPU JAX lowers it to a dense
-  dot of every row against every expert with the other experts' rows masked to zero (jax's
-  `_ragged_dot_general_impl`): E times the multiply-adds and every expert's weights read, whatever
-  the routing.
+  mesh). On TPU and GPU XLA is given a grouped matmul; on the CPU JAX lowers it to a dense dot of
+  every row against every expert with the other experts' rows masked to zero (jax's
+  `_ragged_dot_general_impl`), and XLA copies every expert's weights into the dot's layout on each
+  call: exact, but E times the multiply-adds and every expert's weights read, whatever the routing.
 - on the CPU after `pack`, each expert's weights packed for the C++ matmul (kernels_pallas/cpu/linear.cc),
   one call per expert on its own group's rows: the kernel multiplies only the leading `rows` rows it
   is given, so an expert no token chose costs no weight read, and one of n rows costs n rows' work.
@@ -27,6 +28,11 @@ from flax import nnx
 from models.config import ModelConfig
 from models.layers import ACTIVATIONS, linear, normal, param
 from models.sharding import TP_AXIS
+
+
+# x [rows, hidden] (rows grouped by expert) against w [E, hidden, ...]: hidden contracted, E the group.
+_ROWS_BY_EXPERT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 def route(logits: jax.Array, top_k: int, renormalize: bool, dtype) -> tuple[jax.Array, jax.Array]:
@@ -85,11 +91,10 @@ class SparseMoE(nnx.Module):
 
     def _grouped_ragged(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """xs: [rows, hidden] sorted by expert, group_sizes: int32 [E] -> [rows, hidden] (zeros past the
-        groups). Gate and up are two ragged_dots, so neither reshapes an axis split over a mesh."""
-        w = self.expert_gate_up[...]
-        gate = jax.lax.ragged_dot(xs, w[:, :, 0], group_sizes)
-        up = jax.lax.ragged_dot(xs, w[:, :, 1], group_sizes)
-        return jax.lax.ragged_dot(self._gated(gate, up), self.expert_down[...], group_sizes)
+        groups). Gate and up in one ragged_dot_general over the [E, hidden, 2, intermediate] weight as it
+        is: no slice of it to copy, and no reshape of its intermediate axis, which a mesh splits."""
+        gate_up = jax.lax.ragged_dot_general(xs, self.expert_gate_up[...], group_sizes, _ROWS_BY_EXPERT)
+        return jax.lax.ragged_dot(self._gated(gate_up[:, 0], gate_up[:, 1]), self.expert_down[...], group_sizes)
 
     def _grouped_packed(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """As _grouped_ragged, through the C++ matmul: expert j multiplies the rows of its group, moved to

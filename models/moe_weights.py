@@ -15,7 +15,7 @@ def _experts(block: str, gate: str, up: str, down: str) -> tuple[WeightRule, ...
     gate, up and down; each [out, in] as torch's Linear holds it."""
     expert = f"{LAYER}{block}.experts.{{e}}."
     mlp = "layers.{i}.mlp."
-    moe = dict(layers=sparse_layers, needed=lambda c: c.num_experts > 0)
+    moe = dict(layers=sparse_layers)
     return (
         WeightRule(f"{LAYER}{block}.gate.weight", mlp + "router", lambda c: (c.num_experts, c.hidden_size),
                    transposed, **moe),
