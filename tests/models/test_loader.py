@@ -239,7 +239,8 @@ def test_config_read_from_config_json(tiny_checkpoint):
 def test_moe_config_read_from_config_json(tiny_checkpoint):
     """Which layers are sparse, how wide the experts are, and whether the top k is renormalised."""
     def config(arch):
-        return ModelConfig.from_hf_config(json.loads((tiny_checkpoint(arch)[0] / "config.json").read_text()))
+        hf = json.loads((tiny_checkpoint(arch)[0] / "config.json").read_text())
+        return ModelConfig.from_hf_config(hf, registry.traits)
 
     qwen3_moe, odd, mixtral = map(config, ("qwen3_moe", "qwen3_moe_odd", "mixtral"))
     assert (qwen3_moe.num_experts, qwen3_moe.num_experts_per_tok, qwen3_moe.moe_intermediate_size) == (8, 2, 48)
