@@ -1,5 +1,6 @@
-"""The models the engine runs (the Llama family, Qwen3, Gemma 3): config, flax.nnx models over shared
-layers with their jittable step, weight loading; registry.py names the architectures."""
+"""The models the engine runs (the Llama family, Qwen3, Gemma 3, the mixtures of experts Qwen3-MoE and
+Mixtral): config, flax.nnx models over shared layers with their jittable step, weight loading;
+registry.py names the architectures."""
 
 from models.config import Llama3RopeScaling, ModelConfig
 from models.decoder import DecoderLM
