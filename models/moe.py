@@ -29,7 +29,6 @@ from models.config import ModelConfig
 from models.layers import ACTIVATIONS, linear, normal, param
 from models.sharding import TP_AXIS
 
-
 # x [rows, hidden] (rows grouped by expert) against w [E, hidden, ...]: hidden contracted, E the group.
 _ROWS_BY_EXPERT = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])

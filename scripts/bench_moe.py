@@ -21,10 +21,10 @@ import dataclasses
 import statistics
 import time
 
+import bench_throughput
 import jax
 import jax.numpy as jnp
 
-import bench_throughput
 from models.config import ModelConfig
 from models.tiny import random_model
 from paged_jax import EngineConfig, LLMEngine, SamplingParams
