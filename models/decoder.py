@@ -20,6 +20,7 @@ from flax import nnx
 
 from kernels_pallas import AttentionMetadata, KVCache, cpu_kernel
 from models import layers, rope
+from models.kv_groups import kv_groups
 from models.config import ModelConfig
 from models.lora import LoRARows, LoRAWeights
 from models.moe import SparseMoE
@@ -81,7 +82,8 @@ class DecoderLM(nnx.Module):
         # Only the sampled rows go through the final norm and the lm_head, the largest matmul.
         return self.logits(x[logits_indices]), kv_cache
 
-    def hidden_states(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, metadata: AttentionMetadata,
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
+                      metadata: AttentionMetadata | tuple[AttentionMetadata, ...],
                       *, attn_backend: str = "auto", mesh=None,
                       cos_sin: tuple[jax.Array, jax.Array] | None = None, lora: LoRAWeights | None = None,
                       lora_rows: LoRARows | None = None) -> tuple[jax.Array, KVCache]:
@@ -90,6 +92,9 @@ class DecoderLM(nnx.Module):
         input_ids: int32 [num_tokens]; padding tokens carry slot -1 in metadata.slot_mapping.
         positions: int32 [num_tokens], each token's position in its sequence.
         kv_cache: pages of every layer, in kv_cache.layout.
+        metadata: one AttentionMetadata, whose page table every layer reads (kv_cache: a page array per
+            layer); or a tuple of them, one per KV group (models/kv_groups.py: kv_groups(config)), the
+            same but for their page tables and slot mappings (kv_cache: a page array per group slot).
         mesh: the jax.sharding.Mesh the parameters and pages are split over, or None (one device).
         cos_sin: rope.cos_sin(positions, rope.inv_freq(config)), float32 [num_tokens, num_slots * head_dim // 2]
             each, where the caller has them (the engine makes them on the host); else computed here.
@@ -101,13 +106,20 @@ class DecoderLM(nnx.Module):
         """
         cos, sin = cos_sin if cos_sin is not None else rope.cos_sin(positions, rope.inv_freq(self.config))
         x = self.embed_tokens(input_ids)
-        ks, vs = [], []
+        if isinstance(metadata, AttentionMetadata):  # one group: a page array per layer
+            slots = [(0, i) for i in range(self.config.num_layers)]
+            metadata = (metadata,)
+        else:
+            groups = kv_groups(self.config)
+            slots = [groups.slot(i) for i in range(self.config.num_layers)]
+        if len(metadata) != len({g for g, _ in slots}) or len(kv_cache.k) != len({t for _, t in slots}):
+            raise ValueError(f"{len(metadata)} page tables and {len(kv_cache.k)} page arrays do not fit this "
+                             f"model's KV groups ({len(self.layers)} layers)")
+        ks, vs = list(kv_cache.k), list(kv_cache.v)
         adapters = lora.for_step(lora_rows, x.dtype) if lora is not None else (None,) * len(self.layers)
-        for layer, k_pages, v_pages, adapter in zip(self.layers, kv_cache.k, kv_cache.v, adapters, strict=True):
-            x, k_pages, v_pages = _decoder_layer(*nnx.split(layer), x, cos, sin, k_pages, v_pages, metadata, adapter,
-                                                 attn_backend=attn_backend, kv_layout=kv_cache.layout, mesh=mesh)
-            ks.append(k_pages)
-            vs.append(v_pages)
+        for layer, (g, t), adapter in zip(self.layers, slots, adapters, strict=True):
+            x, ks[t], vs[t] = _decoder_layer(*nnx.split(layer), x, cos, sin, ks[t], vs[t], metadata[g], adapter,
+                                             attn_backend=attn_backend, kv_layout=kv_cache.layout, mesh=mesh)
         return x, dataclasses.replace(kv_cache, k=tuple(ks), v=tuple(vs))
 
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:

@@ -12,6 +12,8 @@ from kernels_pallas import BACKENDS, LAYOUTS, BackendChoice, bytes_per_block, ch
 from kernels_pallas.layout import HEAD_MAJOR, TOKEN_MAJOR
 from paged_jax.core.buckets import StepBuckets
 from paged_jax.core.policy import POLICIES
+from paged_jax.core.window_blocks import max_tokens
+from models.kv_groups import KVGroups, kv_groups
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,11 @@ class EngineConfig:
     # between tokens, one dispatch runs up to this many decode steps.
     num_scheduler_steps: int | None = _option(
         None, f"decode steps per dispatch while every sequence decodes (default: {AUTO_DECODE_STEPS} on a GPU, 1 on the CPU)")
+    # vLLM's name. A model that mixes sliding-window and full attention (Gemma 2 and 3) keeps its
+    # layers' KV in groups with a page table each, and a sliding group gives back the blocks its window
+    # has passed (models/kv_groups.py, window_blocks.py); disabled, every layer keeps every block.
+    disable_hybrid_kv_cache_manager: bool = _option(
+        False, "keep every block in every layer, even where sliding-window layers no longer read it")
 
     # LoRA adapters (vLLM's names): max_loras device slots of rank max_lora_rank (models/lora.py), the host
     # copies of max_cpu_loras adapters (None: max_loras). Float32 or bfloat16 weights on one device.
@@ -153,6 +160,7 @@ class ResolvedConfig:
     buckets: StepBuckets  # every shape a step can take
     scheduling: BackendChoice  # "async" or "sync" (engine.py), and why
     num_scheduler_steps: int  # the most decode steps one dispatch runs (multi_step.py)
+    kv_groups: KVGroups  # the layers' KV groups (models/kv_groups.py): one unless sliding and full layers mix
 
     @property
     def attention_backend(self) -> str:
@@ -279,20 +287,22 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
     # any of these is an error.
     wanted = config.max_model_len or model_config.max_model_len
     num_blocks = config.num_blocks
+    groups = kv_groups(model_config, hybrid=not config.disable_hybrid_kv_cache_manager)
     if num_blocks is None:
         # The budget is per device where each has memory of its own (a GPU holds its share of the KV
         # heads); devices on the host (the CPU) share its memory, so their budget is shared too.
         kv_heads = model_config.num_kv_heads
         if platform == "gpu":
             kv_heads //= config.tensor_parallel_size
-        per_block = bytes_per_block(model_config.num_layers, block_size, kv_heads, model_config.head_dim, kv_dtype)
+        per_block = bytes_per_block(groups.num_arrays, block_size, kv_heads, model_config.head_dim, kv_dtype)
         # One more than the budget buys: block 0 is the pool's null block, never handed out.
         num_blocks = min(kv_cache_budget(config, device) // per_block,
-                         4 * cdiv(wanted, block_size) * config.max_num_seqs) + 1
+                         4 * cdiv(wanted, block_size) * config.max_num_seqs * groups.num_groups) + 1
     if num_blocks - 1 < 1:
         raise ValueError(f"the KV cache holds no block: num_blocks={num_blocks} (block 0 is reserved)")
     pool = f"what the KV cache holds ({num_blocks - 1} blocks of {block_size})"
-    limits = {"the model's context length": model_config.max_model_len, pool: (num_blocks - 1) * block_size}
+    limits = {"the model's context length": model_config.max_model_len,
+              pool: max_tokens(groups, num_blocks - 1, block_size, config.max_num_batched_tokens)}
     if not config.enable_chunked_prefill:
         limits["max_num_batched_tokens, as chunked prefill is off"] = config.max_num_batched_tokens
     for what, limit in limits.items():
@@ -308,7 +318,8 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
                                               max_blocks_per_seq, backend),
                           scheduling=choose_scheduling(config, platform),
                           num_scheduler_steps=config.num_scheduler_steps or (
-                              1 if platform == "cpu" or config.enable_lora else AUTO_DECODE_STEPS))
+                              1 if platform == "cpu" or config.enable_lora else AUTO_DECODE_STEPS),
+                          kv_groups=groups)
 
 
 def choose_scheduling(config: EngineConfig, platform: str) -> BackendChoice:

@@ -81,6 +81,15 @@ class PrefixCache:
         self.hit_blocks += len(found)
         return found
 
+    def get(self, h: int) -> int | None:
+        """The block named h, if cached; its place in the eviction order unchanged (touch marks it used)."""
+        return self._blocks.get(h)
+
+    def touch(self, hashes: Iterable[int]) -> None:
+        """Mark the cached blocks named by hashes as just used."""
+        for h in hashes:
+            self._blocks.move_to_end(h)
+
     def insert(self, h: int, block: int) -> bool:
         """Name a freshly computed full block; True when the cache took a new reference on it."""
         if h in self._blocks:
@@ -88,7 +97,7 @@ class PrefixCache:
             return False
         self._blocks[h] = block
         self._named[block] = True
-        if self.events is not None:
+        if self.events is not None and isinstance(h, BlockName):  # a KV group's name (window_blocks.py) is not told
             self.events.append(("stored", h))
         return True
 
@@ -101,8 +110,9 @@ class PrefixCache:
         victims = list(itertools.islice((h for h, b in self._blocks.items() if refcounts[b] == 1), n))
         blocks = [self._blocks.pop(h) for h in victims]
         self._named[blocks] = False
-        if self.events is not None and victims:
-            self.events.append(("removed", victims))
+        told = [h for h in victims if isinstance(h, BlockName)]
+        if self.events is not None and told:
+            self.events.append(("removed", told))
         return blocks
 
     def num_evictable(self, refcounts, keep: Iterable[int] = ()) -> int:

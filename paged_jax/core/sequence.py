@@ -34,6 +34,10 @@ class Sequence:
     priority: int = 0
     status: Status = Status.WAITING
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Where the model's layers form several KV groups (models/kv_groups.py): the block lists of the
+    # groups past the first, as long as block_ids, NULL_BLOCK where a sliding group gave a block back
+    # (window_blocks.py). Empty for a model of one group.
+    group_block_ids: list[list[int]] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     # Full blocks already named in the prefix cache, so each is inserted once.
     num_cached_blocks: int = 0
