@@ -100,7 +100,8 @@ class LLMEngine:
         padding_costs = self.resolved.matmul_backend != "cpu"
         self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner,
                                    token_buckets=tuple(self.resolved.buckets.token_buckets()) if padding_costs else (),
-                                   max_model_len=self.resolved.max_model_len, adapters=self.adapters)
+                                   max_model_len=self.resolved.max_model_len, adapters=self.adapters,
+                                   kv_groups=self.resolved.kv_groups)
         self._in_flight: _InFlight | None = None  # the step dispatched and not yet read (async scheduling)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests

@@ -33,6 +33,7 @@ from paged_jax.core.adapters import padding_forms, with_lora_rows
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.config import ResolvedConfig
+from paged_jax.core.group_tables import with_group_tables
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler_output import ScheduledSeq
 
@@ -131,7 +132,7 @@ class ModelRunner:
             allocate = lambda shape, dtype: jax.device_put(pages := allocate_pages(shape, dtype), pages.sharding)
         else:
             allocate = functools.partial(jnp.zeros, device=sharding.pages_sharding(self.mesh, self.resolved.kv_layout))
-        return init_kv_cache(self.model_config.num_layers, self.resolved.num_blocks, self.resolved.block_size,
+        return init_kv_cache(self.resolved.kv_groups.num_arrays, self.resolved.num_blocks, self.resolved.block_size,
                              self.model_config.num_kv_heads, self.model_config.head_dim,
                              jnp.dtype(self.resolved.kv_cache_dtype),
                              layout=self.resolved.kv_layout, allocate=allocate)
@@ -187,7 +188,8 @@ class ModelRunner:
         seqs = [s.seq for s in scheduled]
         # A row that does not sample this step (a prompt chunk) has nothing to constrain.
         guides = [s.seq.guide if s.samples else None for s in scheduled]
-        step_input = build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets, self._rope_freq)
+        step_input = self._group_tables(
+            build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets, self._rope_freq), scheduled)
         if self.adapters is not None:
             step_input = with_lora_rows(step_input, scheduled, self.adapters.max_loras)
         # A pending token counts as generated (the sampler's step, min_tokens) and, under penalties, is
@@ -316,8 +318,15 @@ class ModelRunner:
 
     def _padding_steps(self, shape) -> list[StepInput]:
         """A step of padding of this shape in each form it takes (with LoRA, adapters.padding_forms)."""
-        step_input = padding_step_input(shape, self.resolved.buckets.num_head_rows, self._rope_freq)
+        step_input = self._group_tables(padding_step_input(shape, self.resolved.buckets.num_head_rows, self._rope_freq), [])
         return [step_input] if self.adapters is None else padding_forms(step_input, self.adapters.max_loras)
+
+    def _group_tables(self, step_input: StepInput, scheduled: list[ScheduledSeq]) -> StepInput:
+        """step_input with a page table per KV group where the model's layers form several (group_tables.py)."""
+        num_groups = self.resolved.kv_groups.num_groups
+        if num_groups == 1:
+            return step_input
+        return with_group_tables(step_input, scheduled, self.resolved.block_size, num_groups)
 
     @distributed.replicated
     def warm_step(self, step_input: StepInput, samplers: list[sampling.SamplingTensors]) -> None:

@@ -40,6 +40,8 @@ from paged_jax.core.policy import sort_key
 from paged_jax.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_jax.core.sequence import Sequence, Status
 from paged_jax.core.step_budget import StepBudget, fit_bucket, prompt_cap
+from paged_jax.core.window_blocks import WindowBlocks
+from models.kv_groups import KVGroups
 
 
 class KVSwapper(Protocol):
@@ -50,18 +52,21 @@ class KVSwapper(Protocol):
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: KVSwapper | None = None,
-                 token_buckets: tuple[int, ...] = (), max_model_len: int | None = None, adapters=None):
+                 token_buckets: tuple[int, ...] = (), max_model_len: int | None = None, adapters=None,
+                 kv_groups: KVGroups | None = None):
         """token_buckets: the step sizes the model runs at, ascending (buckets.py); none: steps cost by
         their tokens alone (replay.py's model), and prompt chunks are not cut to fit. max_model_len: the
         context length, past which a sequence whose pending token reaches it is not scheduled. adapters:
         the engine's adapters.AdapterSlots (with LoRA enabled): a sequence with an adapter is admitted once
-        its adapter is in a slot."""
+        its adapter is in a slot. kv_groups: the model's KV groups (models/kv_groups.py); past the first,
+        their blocks are kept by window_blocks.py beside seq.block_ids, the first group's. None: one group."""
         self.adapters = adapters
         self.config = config
         self.max_model_len = max_model_len
         self.token_buckets = token_buckets
         self.blocks = block_manager
         self.swapper = swapper
+        self.windows = WindowBlocks(block_manager, kv_groups) if kv_groups and kv_groups.num_groups > 1 else None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -135,9 +140,12 @@ class Scheduler:
         # Blocks this step fills are named now, not after the step: a request admitted later in this
         # same step can then share them, since every layer writes the step's K/V before attending. A
         # block holding a pending token is named once the token is read, a step later.
+        num_cached = seq.num_cached_blocks
         seq.num_cached_blocks = self.blocks.cache_full_blocks(
             seq.token_ids, seq.block_ids, seq.num_cached_blocks,
             min(seq.num_computed_tokens + num_new, len(seq.token_ids)), seq.block_hashes, seq.prefix_root)
+        if self.windows is not None:
+            self.windows.cache_full_blocks(seq, num_cached, seq.num_cached_blocks)
 
     def _ends_when_read(self, seq: Sequence) -> bool:
         """Whether seq's pending token ends it by length: a step after it would be computed for nothing."""
@@ -183,11 +191,14 @@ class Scheduler:
         the partly filled block they start in if a fork still shares it. Preempts the last running
         sequences in the policy's order (possibly seq itself) until the pool can; False when seq was
         preempted."""
+        if self.windows is not None:
+            self.windows.remove_skipped(seq)
         missing = self._blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
-        if missing <= 0 and self._shared_tail(seq) is None:  # most decodes: nothing to reserve
-            return True
+        if missing <= 0 and self._shared_tail(seq) is None and not self._group_blocks(seq, num_new):
+            return True  # most decodes: nothing to reserve
         # Counted again after each preemption: the victim may have been what shared the block.
-        while not self.blocks.can_allocate(missing + (self._shared_tail(seq) is not None)):
+        while not self.blocks.can_allocate(missing + (self._shared_tail(seq) is not None)
+                                           + self._group_blocks(seq, num_new)):
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
@@ -198,8 +209,14 @@ class Scheduler:
             src, dst = self.blocks.copy_on_write(seq.block_ids[index])
             out.copies.append((src, dst))
             seq.block_ids[index] = dst
+        if self.windows is not None:
+            self.windows.reserve(seq, seq.num_computed_tokens + num_new, out.copies)
         seq.block_ids.extend(self.blocks.allocate(missing))
         return True
+
+    def _group_blocks(self, seq: Sequence, num_new: int) -> int:
+        """Blocks the KV groups past the first take for seq's num_new more tokens (window_blocks.py)."""
+        return 0 if self.windows is None else self.windows.num_needed(seq, seq.num_computed_tokens + num_new)
 
     def _shared_tail(self, seq: Sequence) -> int | None:
         """Index in seq.block_ids of the partly filled block its next token lands in, if it is shared."""
@@ -212,20 +229,31 @@ class Scheduler:
         """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
         if seq.swapped_kv is not None:
             return self._swap_in(seq, budget)
-        cached = self.blocks.match_prefix(seq.token_ids[: seq.num_computable_tokens], seq.prefix_root)
+        if self.windows is None:
+            cached, group_cached = self.blocks.match_prefix(seq.token_ids[: seq.num_computable_tokens],
+                                                            seq.prefix_root), None
+        else:
+            cached, group_cached = self.windows.match_prefix(seq.token_ids[: seq.num_computable_tokens],
+                                                             seq.prefix_root)
         num_computed = len(cached) * self.blocks.block_size
         seq.num_computed_tokens = num_computed
         num_new = self._num_new_tokens(seq, budget)
         if num_new < seq.num_computable_tokens - num_computed or len(self.waiting) == 1:
             num_new = self._fit(seq, num_new, budget, after=0)
         need = self._blocks_for(num_computed + num_new) - len(cached)
+        group_need, keep = 0, cached
+        if group_cached is not None:
+            group_need = self.windows.num_to_admit(group_cached, num_computed + num_new)
+            keep = cached + self.windows.held(group_cached)
         partial = num_computed + num_new < seq.num_computable_tokens
         if (num_new == 0 or (partial and self._num_partial_prefills(out) >= self.config.max_num_partial_prefills)
-                or budget.delays_first_tokens(num_new) or not self.blocks.can_allocate(need, keep=cached)
+                or budget.delays_first_tokens(num_new) or not self.blocks.can_allocate(need + group_need, keep=keep)
                 or not self._adapter_in_slot(seq)):
             seq.num_computed_tokens = 0
             return 0
         self.blocks.share(cached)
+        if group_cached is not None:
+            self.windows.admit(seq, group_cached, num_computed + num_new)
         seq.block_ids = cached + self.blocks.allocate(need)
         seq.num_cached_blocks = len(cached)
         seq.num_prefix_hit_tokens = max(seq.num_prefix_hit_tokens, num_computed)
@@ -242,10 +270,12 @@ class Scheduler:
         num_blocks = self._blocks_for(seq.num_computed_tokens)
         num_new = self._num_new_tokens(seq, budget)
         need = self._blocks_for(seq.num_computed_tokens + num_new)
-        if num_new == 0 or not self.blocks.can_allocate(need) or not self._adapter_in_slot(seq):
+        extra = 0 if self.windows is None else self.windows.num_to_restore(seq, need)
+        if num_new == 0 or not self.blocks.can_allocate(need + extra) or not self._adapter_in_slot(seq):
             return 0
         seq.block_ids = self.blocks.allocate(need)
-        self.swapper.swap_in(seq.swapped_kv, seq.block_ids[:num_blocks])
+        restored = [] if self.windows is None else self.windows.restore(seq, need, num_blocks)
+        self.swapper.swap_in(seq.swapped_kv, seq.block_ids[:num_blocks] + restored)
         seq.swapped_kv = None
         return num_new
 
@@ -262,10 +292,17 @@ class Scheduler:
         # keeps all but its last.
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
         if self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0:
-            seq.swapped_kv = self.swapper.swap_out(seq.block_ids[: self._blocks_for(seq.num_computed_tokens)])
+            num_blocks = self._blocks_for(seq.num_computed_tokens)
+            ids = seq.block_ids[:num_blocks]
+            if self.windows is not None:
+                self.windows.remove_skipped(seq)
+                ids += self.windows.swap_ids(seq, num_blocks)
+            seq.swapped_kv = self.swapper.swap_out(ids)
         else:
             seq.num_computed_tokens = 0
         self.blocks.free(seq.block_ids)
+        if self.windows is not None:
+            self.windows.free(seq)
         seq.block_ids = []
         seq.num_cached_blocks = 0
         seq.status = Status.WAITING
@@ -292,9 +329,12 @@ class Scheduler:
         copy of its constraint's matcher."""
         child = dataclasses.replace(parent, seq_id=seq_id, index=index, forks=1, token_ids=list(parent.token_ids),
                                     block_ids=list(parent.block_ids), block_hashes=list(parent.block_hashes),
+                                    group_block_ids=[list(ids) for ids in parent.group_block_ids],
                                     logprobs=[], beam_candidates=None,
                                     guide=parent.guide and parent.guide.fork())
         self.blocks.share(parent.block_ids)
+        if self.windows is not None:
+            self.windows.share(parent)
         queue = self.running if parent.status is Status.RUNNING else self.waiting
         queue.insert(list(queue).index(parent) + 1, child)
         return child
@@ -306,6 +346,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_ids)
+        if self.windows is not None:
+            self.windows.free(seq)
         seq.block_ids = []
         seq.swapped_kv = None
         seq.status = Status.FINISHED

@@ -20,7 +20,7 @@ never reaches a block that went back to the pool.
 
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.block_pool import NULL_BLOCK
-from paged_jax.core.prefix_cache import block_hashes
+from paged_jax.core.prefix_cache import ROOT_HASH, block_hashes
 from paged_jax.core.sequence import Sequence
 from models.kv_groups import KVGroups
 
@@ -118,14 +118,14 @@ class WindowBlocks:
 
     # Prefix caching.
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[list[int]]]:
+    def match_prefix(self, token_ids: list[int], root: int = ROOT_HASH) -> tuple[list[int], list[list[int]]]:
         """The longest cached prefix every group can reuse, leaving a token to compute: the first
         group's blocks, and each other group's list (NULL_BLOCK below its window). The caller shares
-        them (admit) once admission is certain."""
+        them (admit) once admission is certain. root: as BlockManager.match_prefix takes it."""
         cache = self.blocks.cache
         if cache is None:
             return [], [[] for _ in self.windows]
-        hashes = block_hashes(token_ids[:-1], self.block_size)
+        hashes = block_hashes(token_ids[:-1], self.block_size, root)
         first = cache.match(hashes)
         found = [[cache.get(group_name(h, g)) for h in hashes[: len(first)]] for g in range(1, len(self.windows) + 1)]
         # last_miss[g][j]: the last block at or before j that group g lacks, -1 if none.

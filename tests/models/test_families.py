@@ -10,6 +10,7 @@ import pytest
 
 from conftest import hf_greedy, make_tiny_model
 from models import load_model
+from models.kv_groups import kv_groups
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 
 STEPS = 16
@@ -64,10 +65,12 @@ def test_greedy_through_the_engine_matches_transformers(family, backend):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_under_preemption_matches_transformers(family, mode):
-    """A pool of 14 blocks for 6 sequences of up to 56 tokens: sequences give way and come back."""
+    """The KV bytes of 13 blocks of every layer for 6 sequences of up to 56 tokens: sequences give way
+    and come back. (A model of several KV groups has blocks of one group's layers: as many more.)"""
     loaded, hf_model = family
     prompts = family_prompts(loaded.config.vocab_size, 6)
-    got, engine = engine_greedy(family, "cpu", prompts, STEPS, num_blocks=14, preemption_mode=mode)
+    num_blocks = 1 + 13 * kv_groups(loaded.config).num_groups
+    got, engine = engine_greedy(family, "cpu", prompts, STEPS, num_blocks=num_blocks, preemption_mode=mode)
     assert engine.stats().num_preemptions > 0
     assert got == [hf_greedy(hf_model, p, STEPS) for p in prompts]
 
