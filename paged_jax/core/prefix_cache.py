@@ -38,6 +38,11 @@ class BlockName(int):
         return BlockName, (self.parent, self.token_ids)
 
 
+class GroupName(int):
+    """The name of a block of a KV group past the first (window_blocks.group_name): cached as any, but
+    left out of the events, which tell the first group's blocks alone."""
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[BlockName]:
     """Names of the full blocks of token_ids (a trailing partial block has none)."""
     hashes = []
@@ -97,7 +102,7 @@ class PrefixCache:
             return False
         self._blocks[h] = block
         self._named[block] = True
-        if self.events is not None and isinstance(h, BlockName):  # a KV group's name (window_blocks.py) is not told
+        if self.events is not None and not isinstance(h, GroupName):
             self.events.append(("stored", h))
         return True
 
@@ -110,8 +115,7 @@ class PrefixCache:
         victims = list(itertools.islice((h for h, b in self._blocks.items() if refcounts[b] == 1), n))
         blocks = [self._blocks.pop(h) for h in victims]
         self._named[blocks] = False
-        told = [h for h in victims if isinstance(h, BlockName)]
-        if self.events is not None and told:
+        if self.events is not None and (told := [h for h in victims if not isinstance(h, GroupName)]):
             self.events.append(("removed", told))
         return blocks
 

@@ -20,7 +20,7 @@ never reaches a block that went back to the pool.
 
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.block_pool import NULL_BLOCK
-from paged_jax.core.prefix_cache import ROOT_HASH, block_hashes
+from paged_jax.core.prefix_cache import ROOT_HASH, GroupName, block_hashes
 from paged_jax.core.sequence import Sequence
 from models.kv_groups import KVGroups
 
@@ -47,9 +47,9 @@ def max_tokens(groups: KVGroups, num_blocks: int, block_size: int, chunk: int) -
     return low
 
 
-def group_name(name: int, group: int) -> int:
+def group_name(name: int, group: int) -> GroupName:
     """A block's name in the prefix cache, for a group past the first: its tokens' name and its group."""
-    return hash((int(name), group))
+    return GroupName(hash((int(name), group)))
 
 
 class WindowBlocks:
