@@ -20,6 +20,7 @@ from paged_jax.core.sequence import Status
 # A physical block's state, as block_states gives it.
 FREE, HELD, SHARED, CACHED, RESERVED = 0, 1, 2, 3, 4
 STATE_NAMES = ("free", "held", "shared", "cached", "reserved")
+_NONE = np.zeros(0, np.int32)  # the group blocks of a snapshot taken before there were KV groups
 
 
 def pool_snapshot(engine) -> dict:
@@ -42,7 +43,9 @@ def scheduler_snapshot(scheduler, blocks) -> dict:
         priority, arrival_time (time.monotonic()), num_prompt_tokens, num_output_tokens,
         num_computed_tokens (tokens whose KV the blocks hold), num_preemptions,
         block_ids int32 [blocks]: the page table, logical block i -> physical block block_ids[i]
-        (the last one partly filled), num_swapped_blocks: blocks of KV kept on the host
+        (the last one partly filled), num_swapped_blocks: blocks of KV kept on the host,
+        group_blocks int32 [k]: the blocks it holds in the KV groups past the first (window_blocks.py;
+        none for a model of one group)
     """
     cached = np.zeros(blocks.num_blocks, bool)
     if blocks.cache is not None:
@@ -59,6 +62,7 @@ def _sequence(seq, block_size: int) -> dict:
                 arrival_time=seq.arrival_time, num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens, num_computed_tokens=seq.num_computed_tokens,
                 num_preemptions=seq.num_preemptions, block_ids=np.array(seq.block_ids, np.int32),
+                group_blocks=np.array([b for ids in seq.group_block_ids for b in ids if b != NULL_BLOCK], np.int32),
                 num_swapped_blocks=-(-seq.num_computed_tokens // block_size) if swapped else 0)
 
 
@@ -73,13 +77,13 @@ def block_states(snap: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """
     refcounts, cached = snap["refcounts"], snap["cached"]
     num_blocks = refcounts.shape[0]
-    held = [s["block_ids"] for s in snap["seqs"]]
+    held = [np.concatenate([s["block_ids"], s.get("group_blocks", _NONE)]) for s in snap["seqs"]]
     ids = np.concatenate(held) if held else np.zeros(0, np.int32)
     refs = np.bincount(ids, minlength=num_blocks).astype(np.int32)
     owner = np.full(num_blocks, -1, np.int64)
     # Written last to first, so the first holder's id is the one that stays.
-    for s in reversed(snap["seqs"]):
-        owner[s["block_ids"]] = s["seq_id"]
+    for s, ids in zip(reversed(snap["seqs"]), reversed(held)):
+        owner[ids] = s["seq_id"]
     state = np.full(num_blocks, FREE, np.int8)
     state[(refcounts > 0) & cached] = CACHED
     state[refs == 1] = HELD
