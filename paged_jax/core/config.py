@@ -175,7 +175,7 @@ class ResolvedConfig:
         return self.scheduling.backend == "async"
 
     def log(self) -> None:
-        """Say what runs, and why: the attention and matmul backends, the scheduling."""
+        """Say what runs, and why: the attention and matmul backends, the scheduling, the KV groups."""
         # A fallback is slower by a wide margin: said where a user sees it, not only in the stats.
         logger.log(logging.WARNING if self.attention.fallback else logging.INFO, "attention backend %s: %s",
                    self.attention.backend, self.attention.reason)
@@ -183,6 +183,11 @@ class ResolvedConfig:
         logger.info("scheduling %s: %s", self.scheduling.backend, self.scheduling.reason)
         logger.info("up to %d decode step%s a dispatch%s", self.num_scheduler_steps,
                     "s" * (self.num_scheduler_steps > 1), " (multi-step decode)" * (self.num_scheduler_steps > 1))
+        if self.kv_groups.num_groups > 1:
+            windows = [w for w in self.kv_groups.windows if w is not None]
+            logger.info("KV cache in %d layer groups over %d page arrays, %d of them sliding (window %s), each "
+                        "holding only its window", self.kv_groups.num_groups, self.kv_groups.num_arrays, len(windows),
+                        "/".join(map(str, sorted(set(windows)))))
 
 
 class Device(Protocol):

@@ -78,3 +78,11 @@ def test_greedy_under_preemption_matches_transformers(gemma3, mode):
     got, _, stats = run(gemma3, num_blocks=100, preemption_mode=mode)
     assert stats.num_preemptions > 0
     assert got == [hf_greedy(gemma3[1], p, STEPS) for p in prompts(gemma3[0].config.vocab_size)]
+
+
+def test_greedy_a_step_ahead_matches_transformers(gemma3):
+    """Asynchronous scheduling: a sliding group gives back blocks while the step before still runs (it
+    reads them before the next step, ordered after it, writes them again)."""
+    got, engine, _ = run(gemma3, async_scheduling="on", num_blocks=100)
+    assert engine.resolved.async_scheduling
+    assert got == [hf_greedy(gemma3[1], p, STEPS) for p in prompts(gemma3[0].config.vocab_size)]
