@@ -86,3 +86,26 @@ def test_greedy_a_step_ahead_matches_transformers(gemma3):
     got, engine, _ = run(gemma3, async_scheduling="on", num_blocks=100)
     assert engine.resolved.async_scheduling
     assert got == [hf_greedy(gemma3[1], p, STEPS) for p in prompts(gemma3[0].config.vocab_size)]
+
+
+def test_forks_share_every_group_and_copy_on_write(gemma3):
+    """n=2 samples fork once the prompt but its last token is computed, sharing its blocks in every
+    group: a prompt of 58 tokens leaves the block of tokens 56 to 59 shared, and the samples' first two
+    tokens (drawn apart) land in it, so each group's copy of it is made on the first write. Seeded, the
+    samples are those of the one-group path (disable_hybrid_kv_cache_manager), which the families'
+    tests hold to transformers."""
+    loaded, _ = gemma3
+    texts = [p[:58] for p in prompts(loaded.config.vocab_size)[:2]]
+    params = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=STEPS, ignore_eos=True)
+    runs = []
+    for one_group in (False, True):
+        engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(
+            attention_backend="cpu", block_size=BS, num_blocks=400, max_num_batched_tokens=32,
+            disable_hybrid_kv_cache_manager=one_group))
+        assert engine.resolved.kv_groups.num_groups == (1 if one_group else 6)
+        outputs = LLM.from_engine(engine).generate(texts, params, use_tqdm=False)
+        runs.append([[o.token_ids for o in out.outputs] for out in outputs])
+        engine.blocks.reset_prefix_cache()
+        assert engine.blocks.num_free == engine.resolved.num_blocks - 1
+    assert all(a[:2] != b[:2] for a, b in runs[0])  # the samples part before the shared block is full
+    assert runs[0] == runs[1]
