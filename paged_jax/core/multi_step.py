@@ -51,12 +51,16 @@ def decode_steps(graph, weights: tuple[jax.Array, ...], kv_cache, packed: jax.Ar
     """
     model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
     run: DecodeRun = packing.unpack(packed, layout)
-    first, meta = run.step, run.step.metadata
+    first = run.step
+    # One AttentionMetadata, or one per KV group (group_tables.py): each group has its page table.
+    grouped = isinstance(first.metadata, tuple)
+    metas = first.metadata if grouped else (first.metadata,)
+    meta = metas[0]
     rows, num_tokens, num_att = run.num_steps.shape[0], first.input_ids.shape[0], meta.seq_lens.shape[0]
     # Row i's one token is flat token i, and attention row i: per-token and per-attention-row views.
     token_steps = jnp.zeros(num_tokens, jnp.int32).at[:rows].set(run.num_steps)
     att_steps = token_steps[:num_att]
-    tables = meta.block_tables[jnp.minimum(jnp.arange(num_tokens), num_att - 1)]
+    tables = [m.block_tables[jnp.minimum(jnp.arange(num_tokens), num_att - 1)] for m in metas]
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     ids = jnp.where(first.token_src >= 0, previous[jnp.maximum(first.token_src, 0)], first.input_ids)
     blank = jax.eval_shape(sampling.sample, jax.ShapeDtypeStruct((rows, model.config.vocab_size), jnp.float32),
@@ -67,11 +71,13 @@ def decode_steps(graph, weights: tuple[jax.Array, ...], kv_cache, packed: jax.Ar
         j, kv_cache, ids, last, stopped, outputs = carry
         positions = first.positions + j
         writes = j < token_steps
-        slots = tables[jnp.arange(num_tokens), positions // block_size] * block_size + positions % block_size
-        metadata = dataclasses.replace(meta, slot_mapping=jnp.where(writes, slots, -1),
-                                       seq_lens=meta.seq_lens + jnp.clip(j, 0, jnp.maximum(att_steps - 1, 0)))
-        hidden, kv_cache = model.hidden_states(ids, positions, kv_cache, metadata, attn_backend=attn_backend,
-                                               mesh=mesh, cos_sin=rope.cos_sin(positions, rope_freq))
+        seq_lens = meta.seq_lens + jnp.clip(j, 0, jnp.maximum(att_steps - 1, 0))
+        slots = [t[jnp.arange(num_tokens), positions // block_size] * block_size + positions % block_size for t in tables]
+        metadata = tuple(dataclasses.replace(m, slot_mapping=jnp.where(writes, s, -1), seq_lens=seq_lens)
+                         for m, s in zip(metas, slots))
+        hidden, kv_cache = model.hidden_states(ids, positions, kv_cache, metadata if grouped else metadata[0],
+                                               attn_backend=attn_backend, mesh=mesh,
+                                               cos_sin=rope.cos_sin(positions, rope_freq))
         tensors = dataclasses.replace(run.tensors, steps=run.tensors.steps + j)
         sampled = sampling.sample(model.logits(hidden[first.logits_indices][:rows]), tensors)
         alive = (j < run.num_steps) & ~stopped
