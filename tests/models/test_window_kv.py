@@ -35,7 +35,8 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def run(gemma3, **options):
     """Each prompt's greedy tokens, run twice (the second reads the shared prefix from the cache), the
-    engine and its stats at the end; every step's decodes are checked for what their sliding groups hold."""
+    engine and its stats at the end; every step's decodes are checked for what their sliding groups hold:
+    the window and a block, and a block per 4 tokens more where a dispatch runs several decode steps."""
     loaded, _ = gemma3
     engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(**dict(
         attention_backend="cpu", block_size=BS, num_blocks=400, max_num_batched_tokens=32,
@@ -44,8 +45,9 @@ def run(gemma3, **options):
 
     def observe(scheduled):
         for s in scheduled:
-            if s.num_new_tokens == 1:
-                held.extend(sum(b != NULL_BLOCK for b in ids) for ids in s.seq.group_block_ids)
+            if s.num_new_tokens == 1:  # the window, and the blocks its decode steps' tokens land in
+                held.extend(sum(b != NULL_BLOCK for b in ids) - (-(-(WINDOW - 1 + s.num_steps) // BS) - WINDOW // BS)
+                            for ids in s.seq.group_block_ids)
     engine.runner.step_observers.append(observe)
     llm = LLM.from_engine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
@@ -109,3 +111,10 @@ def test_forks_share_every_group_and_copy_on_write(gemma3):
         assert engine.blocks.num_free == engine.resolved.num_blocks - 1
     assert all(a[:2] != b[:2] for a, b in runs[0])  # the samples part before the shared block is full
     assert runs[0] == runs[1]
+
+
+def test_greedy_in_multi_step_decode_matches_transformers(gemma3):
+    """Four decode steps a dispatch (num_scheduler_steps): each group's slots found on the device from its
+    own page table, the blocks of all four steps reserved in every group beforehand."""
+    got, engine, _ = run(gemma3, num_scheduler_steps=4)
+    assert got == [hf_greedy(gemma3[1], p, STEPS) for p in prompts(gemma3[0].config.vocab_size)]
