@@ -203,26 +203,40 @@ def sample(logits: jax.Array, t: SamplingTensors, previous: jax.Array | None = N
         raise ValueError(f"logits have {num_rows} rows, the sampling tensors {t.temperature.shape[0]}")
     if t.banned.shape[1] * _BITS < vocab:
         raise ValueError(f"the ban mask covers {t.banned.shape[1] * _BITS} tokens, the logits {vocab}")
-    logits = raw = logits.astype(jnp.float32)
+    raw = logits.astype(jnp.float32)
+    logits = target_logits(raw, t, previous)
+    tokens = argmax(logits)
+    if t.do_random:
+        tokens = jnp.where(t.temperature == 0, tokens, _random_tokens(logits, t))
+    return with_logprobs(raw, tokens, t)
+
+
+def target_logits(raw: jax.Array, t: SamplingTensors, previous: jax.Array | None = None) -> jax.Array:
+    """raw: f32 [S, V] -> f32 [S, V], penalised and with every banned token -inf: what greedy rows
+    take the argmax of and the others scale (draw_logits). previous as in `sample`."""
+    logits = raw
     if t.do_penalties:
         if previous is not None:
             pending = previous[t.pending_row][:, None]
             t = dataclasses.replace(t, history=jnp.where(t.history == PENDING, pending, t.history))
         logits = apply_penalties(logits, t)
-    logits = _ban(logits, t.banned)
-    tokens = argmax(logits)
-    if t.do_random:
-        tokens = jnp.where(t.temperature == 0, tokens, _random_tokens(logits, t))
+    return _ban(logits, t.banned)
+
+
+def with_logprobs(raw: jax.Array, tokens: jax.Array, t: SamplingTensors) -> SamplerOutput:
+    """The SamplerOutput of tokens (int32 [S]) chosen from raw (f32 [S, V]): with their raw logprobs
+    and the top ones, computed only in steps where some row asks for them."""
+    num_rows, vocab = raw.shape
     k = min(MAX_LOGPROBS, vocab)
 
-    def with_logprobs():
+    def compute():
         logprobs = jax.nn.log_softmax(raw, axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
         return jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0], top_logprobs, top_ids.astype(jnp.int32)
 
     # The log-softmax over the vocabulary only in steps where some row asks for logprobs.
     chosen, top_logprobs, top_ids = jax.lax.cond(
-        t.any_logprobs, with_logprobs,
+        t.any_logprobs, compute,
         lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, k), jnp.float32), jnp.zeros((num_rows, k), jnp.int32)))
     return SamplerOutput(tokens=tokens, logprobs=chosen, top_logprobs=top_logprobs, top_ids=top_ids)
 
@@ -253,14 +267,24 @@ def argmax(logits: jax.Array) -> jax.Array:
 
 def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """logits: f32 [S, V], penalised -> int32 [S], a draw per row (greedy rows' are discarded)."""
+    return jax.vmap(jax.random.categorical)(row_keys(t), draw_logits(logits, t)).astype(jnp.int32)
+
+
+def draw_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """logits: f32 [S, V], target_logits' -> f32 [S, V], what a drawing row samples from: divided by its
+    temperature, then everything outside its top_k, top_p and min_p -inf."""
     scaled = logits / jnp.where(t.temperature == 0, 1.0, t.temperature)[:, None]
     scaled = jax.lax.cond(t.do_top_k_top_p, _mask_top_k_top_p, lambda x, *_: x, scaled, t.top_k, t.top_p)
     # p < min_p * p_max  <=>  logit - max_logit < log(min_p), so no softmax; min_p 0 gives -inf.
     gap = scaled - jnp.max(scaled, axis=-1, keepdims=True)
-    scaled = jnp.where(gap < jnp.log(t.min_p)[:, None], -jnp.inf, scaled)
+    return jnp.where(gap < jnp.log(t.min_p)[:, None], -jnp.inf, scaled)
+
+
+def row_keys(t: SamplingTensors) -> jax.Array:
+    """Each row's key for this step, fold_in(PRNGKey(seed), step): a seeded row's draws do not depend
+    on what else is in the batch. t.do_random only."""
     keys = jax.random.wrap_key_data(t.key_data, impl="threefry2x32")
-    keys = jax.vmap(jax.random.fold_in)(keys, t.steps)
-    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jax.vmap(jax.random.fold_in)(keys, t.steps)
 
 
 def _mask_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
