@@ -75,17 +75,19 @@ def build_step_input(scheduled: list[ScheduledSeq], block_size: int, buckets: St
     start = 0
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
-        begin, known, blocks = seq.num_computed_tokens, len(seq.token_ids), seq.block_ids
+        # A sequence's drafts follow its tokens (speculative decoding), none pending beside them.
+        tokens = seq.token_ids + seq.draft_ids if seq.draft_ids else seq.token_ids
+        begin, known, blocks = seq.num_computed_tokens, len(tokens), seq.block_ids
         starts.append(start)
         seq_lens.append(begin + n)
         if n == 1:
-            ids.append(seq.token_ids[begin] if begin < known else 0)
+            ids.append(tokens[begin] if begin < known else 0)
             src.append(-1 if begin < known else seq.sample_row)
             positions.append(begin)
             slots.append(blocks[begin // block_size] * block_size + begin % block_size)
         else:
             pos = np.arange(begin, begin + n, dtype=np.int32)
-            ids.extend(seq.token_ids[begin : begin + n])
+            ids.extend(tokens[begin : begin + n])
             src.extend([-1] * min(n, known - begin))
             if begin + n > known:  # the pending token, last
                 ids.append(0)

@@ -73,11 +73,12 @@ class StepBuckets:
     max_num_seqs: int
     max_blocks_per_seq: int
     attention_backend: str  # a concrete backend (kernels_pallas.BACKENDS, not "auto")
+    max_drafts: int = 0  # speculative decoding's k: a sequence verifying k drafts samples k + 1 rows
 
     @property
     def num_head_rows(self) -> int:
-        """Rows the model call hands the head: the most sequences a step can sample."""
-        return min(self.max_num_seqs, self.max_num_batched_tokens)
+        """Rows the model call hands the head: the most rows a step can sample."""
+        return min(self.max_num_seqs * (1 + self.max_drafts), self.max_num_batched_tokens)
 
     @property
     def _fine_tokens(self) -> bool:

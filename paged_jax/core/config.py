@@ -14,6 +14,7 @@ from paged_jax.core.buckets import StepBuckets
 from paged_jax.core.policy import POLICIES
 from paged_jax.core.window_blocks import max_tokens
 from models.kv_groups import KVGroups, kv_groups
+from paged_jax.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,10 @@ class EngineConfig:
     # has passed (models/kv_groups.py, window_blocks.py); disabled, every layer keeps every block.
     disable_hybrid_kv_cache_manager: bool = _option(
         False, "keep every block in every layer, even where sliding-window layers no longer read it")
+    # spec_decode/; vLLM's name and keys. A dict or its JSON is taken too.
+    speculative_config: SpeculativeConfig | None = _option(
+        None, 'speculative decoding, JSON of vLLM\'s keys: {"method": "ngram" or "suffix", "num_speculative_tokens": '
+        'k, "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}')
 
     # LoRA adapters (vLLM's names): max_loras device slots of rank max_lora_rank (models/lora.py), the host
     # copies of max_cpu_loras adapters (None: max_loras). Float32 or bfloat16 weights on one device.
@@ -125,6 +130,7 @@ class EngineConfig:
     max_cpu_loras: int | None = _option(None, "LoRA adapters kept in host memory (default: max_loras)")
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if isinstance(self.async_scheduling, bool):
             object.__setattr__(self, "async_scheduling", "on" if self.async_scheduling else "off")
         for name in ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs",
@@ -320,7 +326,9 @@ def resolve(config: EngineConfig, model_config, device: Device, weights_dtype) -
                           dtype=dtype, kv_cache_dtype=kv_dtype, platform=platform, attention=attention,
                           matmul=choose_matmul_backend(config, platform, weights_dtype),
                           buckets=StepBuckets(config.max_num_batched_tokens, config.max_num_seqs,
-                                              max_blocks_per_seq, backend),
+                                              max_blocks_per_seq, backend, max_drafts=(
+                                                  config.speculative_config.num_speculative_tokens
+                                                  if config.speculative_config else 0)),
                           scheduling=choose_scheduling(config, platform),
                           num_scheduler_steps=config.num_scheduler_steps or (
                               1 if platform == "cpu" or config.enable_lora else AUTO_DECODE_STEPS),

@@ -37,6 +37,8 @@ from paged_jax.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.core.stop_checker import StopRules
 from paged_jax.core.validation import EngineLimits
+from paged_jax.spec_decode.rejection import num_accepted
+from paged_jax.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,9 @@ class _InFlight(NamedTuple):
 
     scheduled: list[ScheduledSeq]
     num_samples: list[int]
-    sampled: SamplerOutput
+    sampled: SamplerOutput  # in a step with drafts, (SamplerOutput, accepted) (spec_decode/rejection.py)
     multi_step: bool
+    drafts: list[int] | None = None  # a step with drafts: each scheduled sequence's number of them
 
 
 class LLMEngine:
@@ -103,6 +106,10 @@ class LLMEngine:
                                    max_model_len=self.resolved.max_model_len, adapters=self.adapters,
                                    kv_groups=self.resolved.kv_groups)
         self._in_flight: _InFlight | None = None  # the step dispatched and not yet read (async scheduling)
+        spec = self.config.speculative_config
+        self.speculator = spec and Speculator(spec, self.resolved.max_model_len, self.resolved.buckets.num_head_rows,
+                                              self.resolved.block_size)
+        self.runner.speculative = self.speculator is not None
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
         self._stops = StopRules(self.eos_token_ids, self.resolved.max_model_len, self.gate.refusal)
@@ -212,12 +219,14 @@ class LLMEngine:
         try:
             if previous is not None and self._needs_tokens_first():
                 outputs, previous = self._read(previous), None
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             out = self.scheduler.schedule(self._decode_steps())
             launched = self._launch(out, start)
             self.blocks.commit()
             if previous is not None:
                 outputs, previous = outputs + self._read(previous), None
-            if launched is not None and not self.resolved.async_scheduling:
+            if launched is not None and (not self.resolved.async_scheduling or launched.drafts is not None):
                 outputs, launched = outputs + self._read(launched), None
             self._in_flight = launched
             return refused + outputs
@@ -235,7 +244,9 @@ class LLMEngine:
 
     def _needs_tokens_first(self) -> bool:
         """Whether the next schedule needs the in-flight tokens: a constrained row's mask follows from its
-        last token, and beams are chosen from every sibling's proposals."""
+        last token, and beams are chosen from every sibling's proposals; drafts follow from every token."""
+        if self.speculator is not None and self.speculator.active(self.scheduler.running):
+            return True
         return any(s.guide is not None or s.params.use_beam_search for s in self.scheduler.running)
 
     def _decode_steps(self) -> int:
@@ -274,21 +285,25 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput, start: float) -> "_InFlight | None":
         """Dispatch the scheduled step; the sequences it samples for have a token pending from then on."""
-        self.num_batched_tokens += out.num_tokens
+        scheduled, verified = out.scheduled, False
+        if self.speculator is not None:
+            scheduled, verified = self.speculator.fit(out.scheduled, [*self.scheduler.running, *out.preempted])
+        self.num_batched_tokens += sum(s.num_new_tokens for s in scheduled)
         for child in out.forked:
             self._requests[child.request_id].seqs.append(child)
-        if not out.scheduled:
+        if not scheduled:
             return None
-        scheduled = out.scheduled
         for s in scheduled:
             request = self._requests[s.seq.request_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
         # Several steps only if every row decodes: a fork's block copy or a prompt chunk makes it one.
-        multi = not out.copies and any(s.num_steps > 1 for s in scheduled) and all(
+        multi = not verified and not out.copies and any(s.num_steps > 1 for s in scheduled) and all(
             s.num_new_tokens == 1 and s.samples for s in scheduled)
         num_samples = [s.num_steps if multi else int(s.samples) for s in scheduled]  # before the counts move on
-        sampled = self.runner.dispatch(scheduled, out.copies, num_samples if multi else None)
+        drafts = [len(s.seq.draft_ids) for s in scheduled] if verified else None
+        sampled = self.runner.dispatch(scheduled, out.copies, num_samples if multi else None,
+                                       self.speculator.verify_inputs(self.runner, scheduled) if verified else None)
         engine_stats.track_peak(self, scheduled)
         for row, (s, n) in enumerate(zip(scheduled, num_samples)):
             # A step's token is computed for each sample after the first: the last stays pending.
@@ -296,24 +311,32 @@ class LLMEngine:
             if n:
                 s.seq.num_pending += n
                 s.seq.sample_row = row
-        return _InFlight(scheduled, num_samples, sampled, multi)
+        return _InFlight(scheduled, num_samples, sampled, multi, drafts)
 
     def _read(self, flight: "_InFlight") -> list[RequestOutput]:
         """Take a dispatched step's samples into its sequences: append, stop, outputs."""
         sampled = self.runner.collect(flight.sampled)
-        if not flight.multi_step:  # a leading axis of one step
+        accepted = None
+        if flight.drafts is not None:
+            sampled, accepted = sampled
+        elif not flight.multi_step:  # a leading axis of one step
             sampled = jax.tree.map(lambda x: x[None], sampled)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for row, (s, count) in enumerate(zip(flight.scheduled, flight.num_samples)):
+        next_row = 0  # a sequence with drafts has a row for each, then its own
+        for i, (s, count) in enumerate(zip(flight.scheduled, flight.num_samples)):
             seq = s.seq
+            num_drafts = flight.drafts[i] if flight.drafts is not None else 0
+            row, next_row = next_row, next_row + 1 + num_drafts
             if not count:
                 continue
             seq.num_pending -= count
             if seq.is_finished:  # aborted, or ended by its previous token: computed for nothing
                 continue
             request = touched[seq.request_id] = self._requests[seq.request_id]
-            if request.params.use_beam_search:
+            if accepted is not None:
+                self._read_verified(request, seq, sampled, accepted, row, num_drafts, now)
+            elif request.params.use_beam_search:
                 width = 2 * request.params.n
                 seq.beam_candidates = list(zip(sampled.top_ids[0, row, :width].tolist(),
                                                sampled.top_logprobs[0, row, :width].tolist()))
@@ -336,6 +359,19 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _read_verified(self, request: Request, seq: Sequence, sampled: SamplerOutput, accepted, row: int,
+                       num_drafts: int, now: float) -> None:
+        """Append a sequence's tokens from a step with drafts: those of its accepted drafts' rows and
+        the row after (the target's own token, or the bonus), up to a stop; then take back the rest."""
+        n = num_accepted(accepted, row, num_drafts)
+        # Its rows as consecutive steps of one row, as a multi-step dispatch's samples are laid out.
+        rows = jax.tree.map(lambda x: x[row : row + n + 1, None], sampled)
+        if (reason := output_processor.append_tokens(request, seq, rows, 0, n + 1, now, self._stops)) is not None:
+            seq.finish_reason, seq.stop_reason = reason
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+        self.speculator.settle(seq, num_drafts, n, self.blocks)
 
     def stats(self) -> EngineStats:
         return engine_stats.snapshot(self)

@@ -36,6 +36,7 @@ from paged_jax.core.config import ResolvedConfig
 from paged_jax.core.group_tables import with_group_tables
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler_output import ScheduledSeq
+from paged_jax.spec_decode.verify_step import verify_step
 
 # Blocks per swap transfer: a sequence's blocks move in several calls of this one shape.
 SWAP_BLOCKS = 16
@@ -124,6 +125,7 @@ class ModelRunner:
         self._rope_freq_device = jax.device_put(self._rope_freq, replicated)
         self.step_observers: list = []  # each called with a step's scheduled sequences before it runs (step_profile.py)
         self.device_seconds = 0.0  # dispatching steps and waiting for their samples, so far
+        self.speculative = False  # whether steps may verify drafts (spec_decode/): warm_up makes verify_step too
 
     def _new_kv_cache(self) -> KVCache:
         if self.mesh is None:
@@ -149,26 +151,29 @@ class ModelRunner:
     def num_compiles(self) -> int:
         """Programs of the step's calls (model, sampler, block copies, swaps) compiled or loaded so far,
         for any runner of this process (counts recompiles). compiles.count() counts every program."""
-        return sum(f._cache_size() for f in (step, sample_step, multi_step.decode_steps, kv_blocks.copy_blocks,
-                                                kv_blocks.read_blocks, kv_blocks.write_blocks))
+        return sum(f._cache_size() for f in (step, sample_step, verify_step, multi_step.decode_steps,
+                                             kv_blocks.copy_blocks, kv_blocks.read_blocks, kv_blocks.write_blocks))
 
     def execute(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> sampling.SamplerOutput:
         """Run the scheduled sequences' new tokens; numpy arrays of what was sampled, one row each."""
         return self.collect(self.dispatch(scheduled, copies))
 
     def dispatch(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]],
-                 num_steps: list[int] | None = None) -> sampling.SamplerOutput:
+                 num_steps: list[int] | None = None, verify_inputs: tuple | None = None) -> sampling.SamplerOutput:
         """Start the step (block copies, the model call, the sampler) and return at once: its samples,
         device arrays on their way to the host, for `collect`. A scheduled sequence with a pending token
         reads it from the previously dispatched step's samples (seq.sample_row).
 
         num_steps: decode steps each sequence runs in this dispatch (multi_step.py; every sequence
-        decodes, and no block is copied); the samples then have a leading axis of max_decode_steps."""
+        decodes, and no block is copied); the samples then have a leading axis of max_decode_steps.
+        verify_inputs: a step with drafts, its (StepInput, SamplingTensors, drafts) from
+        Speculator.verify_inputs; its samples are then (SamplerOutput, accepted), rejection.py's."""
         for observe in self.step_observers:
             observe(scheduled)
         start = time.perf_counter()
         if num_steps is None:
-            sampled = self.dispatch_step(np.asarray(copies, np.int32).reshape(-1, 2), *self.host_inputs(scheduled))
+            sampled = self.dispatch_step(np.asarray(copies, np.int32).reshape(-1, 2),
+                                         *(verify_inputs or self.host_inputs(scheduled)))
         else:
             sampled = self.dispatch_decode(self.decode_run(scheduled, num_steps))
         for x in jax.tree.leaves(sampled):
@@ -233,9 +238,14 @@ class ModelRunner:
         args, keywords = self.sample_args(hidden, tensors)
         return sample_step(*args, **keywords)
 
+    def _verify(self, hidden: jax.Array, tensors: sampling.SamplingTensors, drafts: np.ndarray):
+        """drafts: int32 [S], each row's draft or -1 (spec_decode/verify_step.py)."""
+        packed, layout = packing.pack((tensors, drafts))
+        return verify_step(self.graph, self._weights, hidden, packed, self._previous, layout=layout)
+
     @distributed.replicated
-    def dispatch_step(self, copies: np.ndarray, step_input: StepInput,
-                      tensors: sampling.SamplingTensors) -> sampling.SamplerOutput:
+    def dispatch_step(self, copies: np.ndarray, step_input: StepInput, tensors: sampling.SamplingTensors,
+                      drafts: np.ndarray | None = None) -> sampling.SamplerOutput:
         """Copy blocks (copies: int32 [n, 2] rows of src, dst), then run the step and its sampler; what
         it sampled, device arrays. Each process keeps its own copy of the sampled tokens for the next
         step's placeholders, so a group's messages carry host arrays only."""
@@ -246,7 +256,7 @@ class ModelRunner:
                                         np.int32(len(chunk)))
         args, keywords = self._step_args(step_input)
         hidden, self.kv_cache = step(*args, **keywords)
-        sampled, self._previous = self._sample(hidden, tensors)
+        sampled, self._previous = self._sample(hidden, tensors) if drafts is None else self._verify(hidden, tensors, drafts)
         return sampled
 
     def decode_run(self, scheduled: list[ScheduledSeq], num_steps: list[int]) -> multi_step.DecodeRun:
@@ -334,6 +344,9 @@ class ModelRunner:
         args, keywords = self._step_args(step_input)
         hidden, self.kv_cache = step(*args, **keywords)
         jax.block_until_ready([self._sample(hidden, tensors) for tensors in samplers])
+        if self.speculative:
+            jax.block_until_ready([self._verify(hidden, t, np.full(t.temperature.shape[0], -1, np.int32))
+                                   for t in samplers])
 
     # Swap preemption: a sequence's blocks go to host memory and come back into fresh blocks, a fixed
     # number of blocks per call.

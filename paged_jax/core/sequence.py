@@ -48,6 +48,10 @@ class Sequence:
     # on the device, at row `sample_row` of the step that sampled it.
     num_pending: int = 0
     sample_row: int = -1
+    # Speculative decoding (spec_decode/): tokens proposed to follow token_ids, computed in the next
+    # step and verified there; counted in num_tokens (the scheduler gives them room), never in
+    # token_ids (nothing caches or outputs a draft). Replaced whole, never changed in place.
+    draft_ids: list[int] = dataclasses.field(default_factory=list)
     # Prompt tokens whose KV came from the prefix cache at admission.
     num_prefix_hit_tokens: int = 0
     # A request with n > 1 computes its prompt but the last token once, then forks into n samples.
@@ -81,8 +85,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of the sequence as the scheduler sees it: those read, and those still pending."""
-        return len(self.token_ids) + self.num_pending
+        """Tokens of the sequence as the scheduler sees it: those read, those still pending, its drafts."""
+        return len(self.token_ids) + self.num_pending + len(self.draft_ids)
 
     @property
     def ends_when_read(self) -> bool:

@@ -25,6 +25,7 @@ from paged_jax.core import distributed
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.engine import LLMEngine
 from paged_jax.serving.kv_events import KVEventsConfig
+from paged_jax.spec_decode.config import SpeculativeConfig
 from paged_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
 from paged_jax.serving.tool_parsers import PARSERS
 
@@ -45,6 +46,8 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
             continue
         # `int | None` takes ints; None is the default's, never typed in.
         value_type = next(t for t in typing.get_args(field.type) or (field.type,) if t is not type(None))
+        if value_type is SpeculativeConfig:  # given as JSON, vLLM's --speculative-config
+            value_type = SpeculativeConfig.of
         group.add_argument(flag, dest=field.name, default=field.default, choices=choices, type=value_type,
                            metavar=flag[2:].upper().replace("-", "_") if field.name in _FLAG_NAMES else None,
                            help=help + ("" if field.default is None else " (default: %(default)s)"))

@@ -1,0 +1,119 @@
+"""Speculative decoding in the engine: greedy outputs are the same tokens with and without drafts,
+whatever cuts a sequence short (stop strings, max_tokens, the context's end, abort, preemption),
+with n > 1 and with sampled requests beside greedy ones; the pool ends all free, and nothing compiles
+after warm-up."""
+
+import numpy as np
+import pytest
+
+from engine_cases import GREEDY, assert_all_free, finish_all, generate, make_engine, prompts, tiny  # noqa: F401
+from paged_jax import LLM, SamplingParams
+from paged_jax.core.warmup import warm_up
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def repeating(tiny):
+    """Prompts that repeat themselves, so drafts are found, and a tiny random model's greedy output,
+    which falls into loops, is often what they propose."""
+    vocab = tiny[0].config.vocab_size
+    rng = np.random.default_rng(3)
+    out = []
+    for n in rng.integers(3, 12, size=12):
+        phrase = rng.integers(2, vocab, size=int(n)).tolist()
+        out.append(phrase * 3 + phrase[: n // 2])
+    return out
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_greedy_tokens_are_the_same_with_drafts(tiny, prompts, repeating, spec):
+    batch = repeating + prompts[:8]
+    plain = generate(make_engine(tiny, block_size=8, num_blocks=512), batch)
+    engine = make_engine(tiny, block_size=8, num_blocks=512, speculative_config=spec)
+    assert generate(engine, batch) == plain
+    stats = engine.speculator.stats
+    assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert_all_free(engine)
+
+
+def test_one_at_a_time_and_under_preemption(tiny, prompts, repeating):
+    batch = repeating[:6] + prompts[:6]
+    plain = generate(make_engine(tiny, block_size=8, num_blocks=512, max_num_seqs=1), batch)
+    for options in (dict(max_num_seqs=1), dict(num_blocks=24, max_num_batched_tokens=64),
+                    dict(num_blocks=24, max_num_batched_tokens=64, preemption_mode="swap"),
+                    dict(max_num_batched_tokens=16, enable_chunked_prefill=True)):
+        engine = make_engine(tiny, **(dict(block_size=8, num_blocks=512) | options), speculative_config=NGRAM)
+        assert generate(engine, batch) == plain, options
+        if options.get("num_blocks") == 24:
+            assert engine.stats().num_preemptions > 0
+        assert engine.speculator.stats.num_accepted_tokens > 0
+        assert_all_free(engine)
+
+
+def test_stops_and_length_limits_cut_accepted_drafts(tiny, repeating):
+    llm_plain = LLM.from_engine(make_engine(tiny, block_size=8, num_blocks=512))
+    engine = make_engine(tiny, block_size=8, num_blocks=512, speculative_config=NGRAM)
+    llm_spec = LLM.from_engine(engine)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 2, 3, 5, 7, 11)]
+    for p in params:
+        a = [o.outputs[0] for o in llm_spec.generate(repeating, p, use_tqdm=False)]
+        b = [o.outputs[0] for o in llm_plain.generate(repeating, p, use_tqdm=False)]
+        assert [(x.token_ids, x.finish_reason) for x in a] == [(x.token_ids, x.finish_reason) for x in b]
+    # The context's end (max_model_len 40) and stop strings taken from the plain run's own text.
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    b = [o.outputs[0] for o in LLM.from_engine(make_engine(tiny, block_size=8, num_blocks=512, max_model_len=40))
+         .generate(repeating, long, use_tqdm=False)]
+    short = make_engine(tiny, block_size=8, num_blocks=512, max_model_len=40, speculative_config=NGRAM)
+    a = [o.outputs[0] for o in LLM.from_engine(short).generate(repeating, long, use_tqdm=False)]
+    assert short.speculator.stats.num_accepted_tokens > 0
+    assert_all_free(short)
+    assert [(x.token_ids, x.finish_reason) for x in a] == [(x.token_ids, x.finish_reason) for x in b]
+    for prompt, done in zip(repeating, b):
+        if len(done.text) < 8:
+            continue
+        stop = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[done.text[5:8]], logprobs=2)
+        x = llm_spec.generate([prompt], stop, use_tqdm=False)[0].outputs[0]
+        y = llm_plain.generate([prompt], stop, use_tqdm=False)[0].outputs[0]
+        assert (x.text, x.token_ids, x.finish_reason) == (y.text, y.token_ids, y.finish_reason)
+        assert [sorted(e) for e in x.logprobs] == [sorted(e) for e in y.logprobs]
+        np.testing.assert_allclose([e[t].logprob for e, t in zip(x.logprobs, x.token_ids)],
+                                   [e[t].logprob for e, t in zip(y.logprobs, y.token_ids)], atol=1e-4)
+    assert engine.speculator.stats.num_accepted_tokens > 0
+    assert_all_free(engine)
+
+
+def test_n_samples_abort_and_sampled_rows_beside_greedy(tiny, repeating):
+    seeded = SamplingParams(temperature=0.8, max_tokens=12, seed=7, n=3, ignore_eos=True)
+    engine = make_engine(tiny, block_size=8, num_blocks=512, speculative_config=NGRAM)
+    # n > 1 asks for sampling; so cold a temperature draws the argmax, whichever key draws it.
+    greedy_n = SamplingParams(temperature=1e-5, max_tokens=16, n=2, ignore_eos=True)
+    plain = LLM.from_engine(make_engine(tiny, block_size=8, num_blocks=512)).generate(repeating[:4], greedy_n,
+                                                                                      use_tqdm=False)
+    got = LLM.from_engine(engine).generate(repeating[:4], greedy_n, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in plain]
+    # Sampled requests run beside greedy ones and finish with their lengths.
+    ids = [engine.add_request(p, seeded if i % 2 else GREEDY) for i, p in enumerate(repeating[:6])]
+    victim = engine.add_request(repeating[6], GREEDY)
+    engine.step()
+    engine.step()
+    engine.abort_request(victim)
+    done = finish_all(engine)
+    assert set(done) == set(ids)
+    assert all(len(c.token_ids) == 12 for i in ids[1::2] for c in done[i].outputs)
+    assert_all_free(engine)
+
+
+def test_nothing_compiles_after_warm_up(tiny, repeating, prompts):
+    engine = make_engine(tiny, block_size=8, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=64,
+                         speculative_config=NGRAM)
+    warm_up(engine)
+    compiles = engine.runner.num_compiles
+    generate(engine, repeating + prompts[:4])
+    mixed = [SamplingParams(temperature=0.7, top_k=5, max_tokens=10, seed=i, repetition_penalty=1.2) for i in range(4)]
+    LLM.from_engine(engine).generate(repeating[:4], mixed, use_tqdm=False)
+    assert engine.speculator.stats.num_drafts > 0
+    assert engine.runner.num_compiles == compiles
+    assert_all_free(engine)
