@@ -24,6 +24,11 @@ class EngineStats:
     matmul_backend: str
     matmul_backend_reason: str
     num_batched_tokens: int  # tokens run through the model so far (prompt chunks and decodes)
+    # Speculative decoding (spec_decode/speculator.SpecStats), so far; zeros without it.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 def track_peak(engine, scheduled) -> None:
@@ -56,4 +61,13 @@ def snapshot(engine) -> EngineStats:
         attention_backend_reason=resolved.attention.reason,
         matmul_backend=resolved.matmul.backend,
         matmul_backend_reason=resolved.matmul.reason,
-        num_batched_tokens=engine.num_batched_tokens)
+        num_batched_tokens=engine.num_batched_tokens,
+        **_spec(engine.speculator))
+
+
+def _spec(speculator) -> dict:
+    if speculator is None:
+        return {}
+    s = speculator.stats
+    return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
+                spec_num_accepted_tokens=s.num_accepted_tokens, spec_accepted_per_position=tuple(s.accepted_per_position))

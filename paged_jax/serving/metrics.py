@@ -105,9 +105,18 @@ class PrometheusMetrics(StatLogger):
         self.prefix_hits = make(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.compiles = make(Counter, "num_compiles", "XLA programs compiled or loaded from the persistent cache in "
                              "this process (after warm-up: none).")
+        # Speculative decoding, vLLM's names: drafts verified (one a sequence and step), their
+        # tokens, those accepted, and those accepted at each draft position (0: the first draft).
+        spec = {name: make(Counter, name, doc) for name, doc in (
+            ("spec_decode_num_drafts", "Drafts verified (one per sequence and step with drafts)."),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted."))}
+        self.spec_per_position = make(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each position of their drafts.", ("position",))
         # The engine keeps these as running totals; the counters take the increments.
         self._engine_counters = ((self.preemptions, "num_preemptions"), (self.prefix_queries, "prefix_cache_queries"),
-                                 (self.prefix_hits, "prefix_cache_hits"), (self.compiles, "num_compiles"))
+                                 (self.prefix_hits, "prefix_cache_hits"), (self.compiles, "num_compiles"),
+                                 *((counter, name) for name, counter in spec.items()))
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
         self.step_time = make(Histogram, "engine_step_time_seconds", "Wall time of one engine step.",
@@ -157,6 +166,10 @@ class PrometheusMetrics(StatLogger):
         self.kv_blocks["free"].set(scheduler.num_free_blocks)
         for counter, field in self._engine_counters:
             counter.inc(getattr(scheduler, field) - (getattr(self._previous, field) if self._previous else 0))
+        before = self._previous.spec_decode_accepted_per_position if self._previous else ()
+        for position, total in enumerate(scheduler.spec_decode_accepted_per_position):
+            self.spec_per_position.labels(position=str(position)).inc(
+                total - (before[position] if position < len(before) else 0))
         self._previous = scheduler
 
         if iteration.step_time is not None:

@@ -25,6 +25,11 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens found
     num_compiles: int  # every XLA program compiled or loaded in the process (core/compiles.py)
     num_batched_tokens: int  # tokens run through the model
+    # Speculative decoding, cumulative (EngineStats' spec_* fields).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:
@@ -80,7 +85,10 @@ def scheduler_stats(stats: EngineStats, num_queued: int) -> SchedulerStats:
         num_preemptions=stats.num_preemptions,
         prefix_cache_queries=stats.prefix_cache_queried_blocks * stats.block_size,
         prefix_cache_hits=stats.prefix_cache_hit_blocks * stats.block_size,
-        num_compiles=compiles.count(), num_batched_tokens=stats.num_batched_tokens)
+        num_compiles=compiles.count(), num_batched_tokens=stats.num_batched_tokens,
+        spec_decode_num_drafts=stats.spec_num_drafts, spec_decode_num_draft_tokens=stats.spec_num_draft_tokens,
+        spec_decode_num_accepted_tokens=stats.spec_num_accepted_tokens,
+        spec_decode_accepted_per_position=stats.spec_accepted_per_position)
 
 
 @dataclasses.dataclass(eq=False)

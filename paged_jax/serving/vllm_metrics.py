@@ -37,6 +37,10 @@ TWINS: dict[str, tuple[str, ...]] = {
     "request_params_max_tokens": ("request_params_max_tokens",),
     "request_params_n": ("request_params_n",),
     "cache_config_info": ("cache_config_info",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_decode_num_accepted_tokens_per_pos",),
 }
 
 # vLLM's buckets where they differ from ours, so that histogram_quantile over a fleet of vLLM and
