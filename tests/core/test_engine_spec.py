@@ -117,3 +117,26 @@ def test_nothing_compiles_after_warm_up(tiny, repeating, prompts):
     assert engine.speculator.stats.num_drafts > 0
     assert engine.runner.num_compiles == compiles
     assert_all_free(engine)
+
+
+def test_speculation_turns_itself_off(tiny, repeating):
+    plain = generate(make_engine(tiny, block_size=8, num_blocks=512), repeating)
+    # Above the batch size nothing drafts; the outputs are the same.
+    engine = make_engine(tiny, block_size=8, num_blocks=512, speculative_config=NGRAM | {"disable_by_batch_size": 1})
+    assert generate(engine, repeating) == plain
+    assert engine.speculator.stats.num_drafts == 0
+    # One at a time below the limit of 2: drafts again.
+    engine = make_engine(tiny, block_size=8, num_blocks=512, max_num_seqs=1,
+                         speculative_config=NGRAM | {"disable_by_batch_size": 2})
+    assert generate(engine, repeating) == plain
+    assert engine.speculator.stats.num_drafts > 0
+    # A sequence whose drafts are not all accepted over a window of 4 pauses for 4 output tokens.
+    eager = make_engine(tiny, block_size=8, num_blocks=512, speculative_config=NGRAM | {"min_acceptance_rate": 0})
+    strict = make_engine(tiny, block_size=8, num_blocks=512,
+                         speculative_config=NGRAM | {"min_acceptance_rate": 1.0, "acceptance_window": 4})
+    assert generate(eager, repeating) == generate(strict, repeating) == plain
+    e, s = eager.speculator.stats, strict.speculator.stats
+    assert e.num_draft_tokens > e.num_accepted_tokens  # some rejected: the strict engine pauses someone
+    assert s.num_draft_tokens < e.num_draft_tokens
+    for engine in (eager, strict):
+        assert_all_free(engine)
