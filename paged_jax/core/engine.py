@@ -302,8 +302,8 @@ class LLMEngine:
             s.num_new_tokens == 1 and s.samples for s in scheduled)
         num_samples = [s.num_steps if multi else int(s.samples) for s in scheduled]  # before the counts move on
         drafts = [len(s.seq.draft_ids) for s in scheduled] if verified else None
-        sampled = self.runner.dispatch(scheduled, out.copies, num_samples if multi else None,
-                                       self.speculator.verify_inputs(self.runner, scheduled) if verified else None)
+        verify = dict(verify_inputs=self.speculator.verify_inputs(self.runner, scheduled)) if verified else {}
+        sampled = self.runner.dispatch(scheduled, out.copies, num_samples if multi else None, **verify)
         engine_stats.track_peak(self, scheduled)
         for row, (s, n) in enumerate(zip(scheduled, num_samples)):
             # A step's token is computed for each sample after the first: the last stays pending.
