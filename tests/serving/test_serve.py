@@ -56,7 +56,15 @@ def test_a_new_engine_config_field_needs_no_flag_written_for_it(monkeypatch):
     assert (config.new_limit, config.new_ratio, config.max_num_seqs) == (3, 0.25, 2)
 
 
-@pytest.mark.parametrize("argv", [["--block-size", "0"], ["--dtype", "float16"], ["--max-num-queued-reqs", "-1"]])
+def test_speculative_config_is_json_of_vllm_keys():
+    config = parse_args(["--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3}']).engine_config
+    assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("suffix", 3)
+    assert parse_args([]).engine_config.speculative_config is None
+
+
+@pytest.mark.parametrize("argv", [["--block-size", "0"], ["--dtype", "float16"], ["--max-num-queued-reqs", "-1"],
+                                  ["--speculative-config", '{"method": "eagle"}'],
+                                  ["--speculative-config", '{"num_spec_tokens": 3}']])
 def test_bad_flags_exit_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv)
