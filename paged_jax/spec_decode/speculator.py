@@ -54,6 +54,11 @@ class Speculator:
         )) if config.method == "suffix" else None
         self._seen: dict[int, tuple[Sequence, _Acceptance]] = {}
 
+    def forget_outputs(self) -> None:
+        """Empty suffix decoding's cache of finished outputs (a benchmark's runs then start alike)."""
+        if self.suffix is not None:
+            self.suffix = SuffixProposer(self.suffix.options)
+
     def active(self, running: list[Sequence]) -> bool:
         """Whether this step drafts: below disable_by_batch_size."""
         limit = self.config.disable_by_batch_size
