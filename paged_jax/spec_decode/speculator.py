@@ -16,6 +16,7 @@ import dataclasses
 
 import numpy as np
 
+from paged_jax.core.adapters import with_lora_rows
 from paged_jax.core.batch import build_step_input
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.core.sequence import Sequence, Status
@@ -122,6 +123,8 @@ class Speculator:
         output (its step, its bans until min_tokens, its penalties' history)."""
         step_input = build_step_input(scheduled, runner.resolved.block_size, runner.resolved.buckets,
                                       runner._rope_freq)
+        if runner.adapters is not None:  # each token row on its sequence's LoRA slot, drafts too
+            step_input = with_lora_rows(step_input, scheduled, runner.adapters.max_loras)
         starts = step_input.metadata.query_start_loc
         indices, params, seeds, prompt_ids, output_ids, guides, drafts = [], [], [], [], [], [], []
         penalties = any(s.seq.params.uses_penalties for s in scheduled)

@@ -58,8 +58,10 @@ def want(setup, prompts, requests):
     return [hf_greedy(hf_model if r is None else models[r.lora_int_id], p, STEPS) for p, r in zip(prompts, requests)]
 
 
-@pytest.mark.parametrize("options", [{}, dict(num_blocks=12), dict(num_blocks=12, preemption_mode="swap")],
-                         ids=("roomy", "preempt-recompute", "preempt-swap"))
+@pytest.mark.parametrize("options", [{}, dict(num_blocks=12), dict(num_blocks=12, preemption_mode="swap"),
+                                     dict(speculative_config=dict(method="ngram", num_speculative_tokens=3,
+                                                                  prompt_lookup_min=1, prompt_lookup_max=2))],
+                         ids=("roomy", "preempt-recompute", "preempt-swap", "speculative"))
 def test_mixed_adapters_match_peft(setup, options):
     """Three adapters over two slots and the base model, run twice (the second run's shared prefixes come
     from the cache): every prompt's greedy tokens are PEFT's for its adapter."""
@@ -69,8 +71,10 @@ def test_mixed_adapters_match_peft(setup, options):
     for _ in range(2):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)]
         assert got == expected
-    if options:
+    if "num_blocks" in options:
         assert llm.engine.scheduler.num_preemptions > 0
+    if "speculative_config" in options:  # drafts verified under each row's adapter
+        assert llm.engine.speculator.stats.num_drafts > 0
     assert llm.engine.adapters.num_loads > 2  # three adapters took turns in two slots
     assert_all_free(llm.engine)
 
