@@ -107,6 +107,10 @@ class LLMEngine:
                                    kv_groups=self.resolved.kv_groups)
         self._in_flight: _InFlight | None = None  # the step dispatched and not yet read (async scheduling)
         spec = self.config.speculative_config
+        if spec is not None and self.scheduler.windows is not None:
+            # A verify step's rejected blocks are given back from block_ids alone (speculator.settle).
+            raise ValueError("speculative decoding does not support KV kept in several groups (a model with "
+                             "sliding-window layers, Gemma 2 and 3) yet: add disable_hybrid_kv_cache_manager=True")
         self.speculator = spec and Speculator(spec, self.resolved.max_model_len, self.resolved.buckets.num_head_rows,
                                               self.resolved.block_size)
         self.runner.speculative = self.speculator is not None

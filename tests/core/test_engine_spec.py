@@ -140,3 +140,14 @@ def test_speculation_turns_itself_off(tiny, repeating):
     assert s.num_draft_tokens < e.num_draft_tokens
     for engine in (eager, strict):
         assert_all_free(engine)
+
+
+def test_refused_with_kv_in_several_groups(tiny_checkpoint):
+    from models import load_model
+    from paged_jax import EngineConfig, LLMEngine
+    loaded = load_model(tiny_checkpoint("gemma2")[0])
+    with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager"):
+        LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(speculative_config=NGRAM, num_blocks=64))
+    engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(
+        speculative_config=NGRAM, num_blocks=64, disable_hybrid_kv_cache_manager=True))
+    assert engine.speculator is not None
