@@ -80,7 +80,8 @@ def hf_tensors(model: nnx.Module) -> dict[str, jax.Array]:
     params = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     tensors = {}
     # The loader's own expansion of the table, per layer: the names and paths it would read and fill.
-    for name, (rule, path) in loader._expected(config).items():
+    for name, (rule, path, expert) in loader._expected(config).items():
+        assert expert is None, "a dense model's weights only"
         where = []
 
         def place(a, rule=rule, where=where):
