@@ -36,3 +36,17 @@ def test_the_same_block_after_another_beginning_is_not_reused(model):
     engine = llm.engine
     engine.blocks.reset_prefix_cache()
     assert engine.blocks.num_free == engine.blocks.num_blocks - 1
+
+
+def test_the_hit_counters_keep_counting_across_a_reset(model):
+    """The stats' prefix-cache counters feed Prometheus counters: an emptied cache must not read as 0."""
+    prompt = np.random.default_rng(1).integers(0, TINY_LLAMA.vocab_size, 3 * BS).tolist()
+    llm = make_llm(model)
+    for _ in range(2):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    before = llm.engine.stats()
+    assert before.prefix_cache_hit_blocks > 0
+    llm.engine.blocks.reset_prefix_cache()
+    after = llm.engine.stats()
+    assert (after.prefix_cache_hit_blocks, after.prefix_cache_queried_blocks) == (
+        before.prefix_cache_hit_blocks, before.prefix_cache_queried_blocks)
