@@ -31,6 +31,13 @@ def test_wheel_carries_the_cpu_kernel_sources(wheel):
         assert f"kernels_pallas/cpu/{source}" in names
 
 
+def test_wheel_carries_every_package_of_the_checkout(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = [init.parent.relative_to(ROOT).as_posix() for top in ("paged_jax", "kernels_pallas", "models")
+                for init in (ROOT / top).rglob("__init__.py")]
+    assert packages and [p for p in packages if f"{p}/__init__.py" not in names] == []
+
+
 def test_wheel_carries_the_dashboard_page(wheel):
     assert "paged_jax/serving/static/dashboard.html" in zipfile.ZipFile(wheel).namelist()
 
@@ -44,7 +51,7 @@ def test_non_editable_install_runs_the_cpu_kernel(wheel, tmp_path):
 import kernels_pallas
 from models import ModelConfig
 from paged_jax import EngineConfig
-from paged_jax.core.config import default_device, resolve
+from paged_jax.core.resolve import default_device, resolve
 config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1,
                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
                      max_position_embeddings=64)
