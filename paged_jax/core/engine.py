@@ -23,7 +23,8 @@ from paged_jax.core import (beam_search, compilation_cache, cpu_matmul, distribu
                             structured_output, validation)
 from paged_jax.core.adapters import AdapterSlots
 from paged_jax.core.block_manager import BlockManager
-from paged_jax.core.config import EngineConfig, default_device, default_dtype, resolve
+from paged_jax.core.config import EngineConfig
+from paged_jax.core.resolve import default_device, default_dtype, resolve
 from paged_jax.core.engine_stats import EngineStats
 from paged_jax.core.errors import RequestError
 from paged_jax.core.lora_request import LoRARequest

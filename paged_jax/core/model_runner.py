@@ -32,7 +32,7 @@ from paged_jax.core import distributed, kv_blocks, multi_step, packing, sampling
 from paged_jax.core.adapters import padding_forms, with_lora_rows
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
-from paged_jax.core.config import ResolvedConfig
+from paged_jax.core.resolve import ResolvedConfig
 from paged_jax.core.group_tables import with_group_tables
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler_output import ScheduledSeq

@@ -16,7 +16,8 @@ from models import sharding
 from models.loader import shard_model
 from models.tiny import TINY_LLAMA, random_model
 from paged_jax.core import model_runner
-from paged_jax.core.config import EngineConfig, resolve
+from paged_jax.core.config import EngineConfig
+from paged_jax.core.resolve import resolve
 from paged_jax.core.engine import LLMEngine
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import ScheduledSeq

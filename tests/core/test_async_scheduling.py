@@ -15,7 +15,7 @@ import pytest
 from engine_cases import (GREEDY, assert_all_free, assert_same, chat_engine, completions, finish_all,  # noqa: F401
                           make_engine, prompts, rows_computed, run, tiny)
 from paged_jax import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
-from paged_jax.core.config import resolve
+from paged_jax.core.resolve import resolve
 
 
 def running_ahead(engine: LLMEngine) -> list[bool]:

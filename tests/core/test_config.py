@@ -8,7 +8,8 @@ import pytest
 
 from kernels_pallas import bytes_per_block, default_backend
 from models.tiny import TINY_LLAMA
-from paged_jax.core.config import HOST_KV_CACHE_MEMORY_BYTES, EngineConfig, default_device, default_dtype, resolve
+from paged_jax.core.config import EngineConfig
+from paged_jax.core.resolve import HOST_KV_CACHE_MEMORY_BYTES, default_device, default_dtype, resolve
 
 MiB = 1 << 20
 

@@ -168,7 +168,7 @@ def test_outputs_report_timing_and_logprobs(tiny, prompts):
 
 
 def test_engine_says_which_attention_backend_runs_and_how_it_schedules(tiny, caplog):
-    with caplog.at_level("INFO", logger="paged_jax.core.config"):
+    with caplog.at_level("INFO", logger="paged_jax.core.resolve"):
         engine = make_engine(tiny, block_size=8, num_blocks=64)
     stats = engine.stats()
     assert (stats.attention_backend, stats.attention_backend_reason) == ("cpu", "the C++ kernel for float32 on the CPU")

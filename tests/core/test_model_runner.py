@@ -13,7 +13,8 @@ from flax import nnx
 from kernels_pallas import layout
 from models.tiny import TINY_LLAMA, random_model
 from paged_jax.core import model_runner, multi_step
-from paged_jax.core.config import EngineConfig, resolve
+from paged_jax.core.config import EngineConfig
+from paged_jax.core.resolve import resolve
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import ScheduledSeq
 from paged_jax.core.sequence import Sequence

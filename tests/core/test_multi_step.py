@@ -16,7 +16,8 @@ from engine_cases import (GREEDY, assert_all_free, assert_same, chat_engine, com
                           make_engine, prompts, run, tiny)
 from paged_jax import EngineConfig, LLMEngine, SamplingParams
 from paged_jax.core import compiles, warmup
-from paged_jax.core.config import AUTO_DECODE_STEPS, resolve
+from paged_jax.core.config import AUTO_DECODE_STEPS
+from paged_jax.core.resolve import resolve
 
 STEPS = 4
 

@@ -20,7 +20,7 @@ import bench_gpu_models  # noqa: E402
 
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from paged_jax.core import model_runner  # noqa: E402
-from paged_jax.core.config import resolve  # noqa: E402
+from paged_jax.core.resolve import resolve  # noqa: E402
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
