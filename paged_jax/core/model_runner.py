@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import rope, sharding
-from paged_jax.core import distributed, kv_blocks, multi_step, packing, sampling, structured_output
+from paged_jax.core import distributed, kv_blocks, multi_step, packing, sampling, sampling_tensors, structured_output
 from paged_jax.core.adapters import padding_forms, with_lora_rows
 from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
 from paged_jax.core.buckets import pad_ids
@@ -96,7 +96,7 @@ def sample_step(graph: ModelGraph, weights: tuple[jax.Array, ...], hidden: jax.A
     previous: int32 [rows], the previous step's tokens (a history's PENDING ids).
     Returns the SamplerOutput with S rows, and its tokens padded to int32 [rows] for the next step."""
     model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
-    tensors: sampling.SamplingTensors = packing.unpack(packed, layout)
+    tensors: sampling_tensors.SamplingTensors = packing.unpack(packed, layout)
     sampled = sampling.sample(model.logits(hidden[: tensors.temperature.shape[0]]), tensors, previous)
     return sampled, jnp.zeros(hidden.shape[0], jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens)
 
@@ -188,7 +188,7 @@ class ModelRunner:
         self.device_seconds += time.perf_counter() - start
         return sampled
 
-    def host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInput, sampling.SamplingTensors]:
+    def host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInput, sampling_tensors.SamplingTensors]:
         """The step's host arrays for these sequences: the flat batch and page tables, the sampling tensors."""
         seqs = [s.seq for s in scheduled]
         # A row that does not sample this step (a prompt chunk) has nothing to constrain.
@@ -203,7 +203,7 @@ class ModelRunner:
         params = [s.params for s in seqs]
         if any(p.uses_penalties for p in params):
             prompt_ids = [s.token_ids[: s.num_prompt_tokens] for s in seqs]
-            output_ids = [s.output_token_ids + [sampling.PENDING] * s.num_pending for s in seqs]
+            output_ids = [s.output_token_ids + [sampling_tensors.PENDING] * s.num_pending for s in seqs]
         else:
             prompt_ids, output_ids = [()] * len(seqs), [range(s.num_output_tokens + s.num_pending) for s in seqs]
         return step_input, self._sampling_tensors(
@@ -211,10 +211,10 @@ class ModelRunner:
             [s.sample_row for s in seqs])
 
     def _sampling_tensors(self, params, seeds, prompt_ids, output_ids, guides=(),
-                          pending_rows=()) -> sampling.SamplingTensors:
+                          pending_rows=()) -> sampling_tensors.SamplingTensors:
         rows, vocab = self.resolved.buckets.sample_rows(len(params)), self.model_config.vocab_size
         allowed = structured_output.allowed_tokens(guides, rows, vocab) if any(g is not None for g in guides) else None
-        return sampling.make_sampling_tensors(
+        return sampling_tensors.make_sampling_tensors(
             params, seeds, prompt_ids, output_ids, self.model_config.eos_token_ids, allowed=allowed,
             pad_rows_to=rows, vocab_size=vocab, history_width=self.resolved.max_model_len, pending_rows=pending_rows)
 
@@ -229,22 +229,22 @@ class ModelRunner:
         lora = () if self.adapters is None else (self.adapters.weights,)
         return (self.graph, self._weights, self.kv_cache, packed, self._previous, *lora), keywords
 
-    def sample_args(self, hidden: jax.Array, tensors: sampling.SamplingTensors) -> tuple[tuple, dict]:
+    def sample_args(self, hidden: jax.Array, tensors: sampling_tensors.SamplingTensors) -> tuple[tuple, dict]:
         """(args, keywords) that `sample_step` is called with for the model call's output and these tensors."""
         packed, layout = packing.pack(tensors)
         return (self.graph, self._weights, hidden, packed, self._previous), dict(layout=layout)
 
-    def _sample(self, hidden: jax.Array, tensors: sampling.SamplingTensors):
+    def _sample(self, hidden: jax.Array, tensors: sampling_tensors.SamplingTensors):
         args, keywords = self.sample_args(hidden, tensors)
         return sample_step(*args, **keywords)
 
-    def _verify(self, hidden: jax.Array, tensors: sampling.SamplingTensors, drafts: np.ndarray):
+    def _verify(self, hidden: jax.Array, tensors: sampling_tensors.SamplingTensors, drafts: np.ndarray):
         """drafts: int32 [S], each row's draft or -1 (spec_decode/verify_step.py)."""
         packed, layout = packing.pack((tensors, drafts))
         return verify_step(self.graph, self._weights, hidden, packed, self._previous, layout=layout)
 
     @distributed.replicated
-    def dispatch_step(self, copies: np.ndarray, step_input: StepInput, tensors: sampling.SamplingTensors,
+    def dispatch_step(self, copies: np.ndarray, step_input: StepInput, tensors: sampling_tensors.SamplingTensors,
                       drafts: np.ndarray | None = None) -> sampling.SamplerOutput:
         """Copy blocks (copies: int32 [n, 2] rows of src, dst), then run the step and its sampler; what
         it sampled, device arrays. Each process keeps its own copy of the sampled tokens for the next
@@ -264,7 +264,7 @@ class ModelRunner:
         step_input, tensors = self.host_inputs(scheduled)
         return self._decode_run(step_input, tensors, num_steps, [not s.seq.params.ignore_eos for s in scheduled])
 
-    def _decode_run(self, step_input: StepInput, tensors: sampling.SamplingTensors, num_steps,
+    def _decode_run(self, step_input: StepInput, tensors: sampling_tensors.SamplingTensors, num_steps,
                     stops_at_eos) -> multi_step.DecodeRun:
         rows = tensors.temperature.shape[0]
         column = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, rows - len(values)))
@@ -339,7 +339,7 @@ class ModelRunner:
         return with_group_tables(step_input, scheduled, self.resolved.block_size, num_groups)
 
     @distributed.replicated
-    def warm_step(self, step_input: StepInput, samplers: list[sampling.SamplingTensors]) -> None:
+    def warm_step(self, step_input: StepInput, samplers: list[sampling_tensors.SamplingTensors]) -> None:
         """Run the model call on step_input, then the sampler with each of samplers on its output."""
         args, keywords = self._step_args(step_input)
         hidden, self.kv_cache = step(*args, **keywords)

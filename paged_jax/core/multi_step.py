@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models import rope
-from paged_jax.core import packing, sampling
+from paged_jax.core import packing, sampling, sampling_tensors
 from paged_jax.core.batch import StepInput
 
 
@@ -30,7 +30,7 @@ class DecodeRun:
     """A multi-step dispatch's host inputs, packed as one buffer (packing.py)."""
 
     step: StepInput  # the first step: one new token a row, row i's at flat position i
-    tensors: sampling.SamplingTensors  # S rows; their `steps` advance by one each step
+    tensors: sampling_tensors.SamplingTensors  # S rows; their `steps` advance by one each step
     num_steps: jax.Array  # int32 [S] steps row i runs (1..K; 0 for padding rows)
     stops_at_eos: jax.Array  # bool [S] whether an end-of-sequence id ends row i (not ignore_eos)
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 
 def apply_penalties(logits: jax.Array, t) -> jax.Array:
-    """logits: f32 [S, V] -> f32 [S, V]; t: the step's sampling.SamplingTensors (its history
+    """logits: f32 [S, V] -> f32 [S, V]; t: the step's sampling_tensors.SamplingTensors (its history
     int32 [S, H], num_prompt_ids int32 [S] and the three penalties f32 [S]).
 
     Repetition divides positive logits and multiplies the others of every token seen in the prompt

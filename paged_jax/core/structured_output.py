@@ -28,7 +28,7 @@ import llguidance.numpy
 import numpy as np
 
 from paged_jax.core import grammars
-from paged_jax.core.sampling import all_allowed
+from paged_jax.core.sampling_tensors import all_allowed
 from paged_jax.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

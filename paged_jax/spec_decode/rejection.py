@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.core import sampling
-from paged_jax.core.sampling import SamplerOutput, SamplingTensors
+from paged_jax.core.sampling import SamplerOutput
+from paged_jax.core.sampling_tensors import SamplingTensors
 
 
 @jax.jit

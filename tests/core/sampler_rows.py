@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from paged_jax.core.sampling import all_allowed, make_sampling_tensors
+from paged_jax.core.sampling_tensors import all_allowed, make_sampling_tensors
 
 EOS = 0
 # A ban mask wide enough for every test's vocabulary (the sampler reads the logits' width of it), and

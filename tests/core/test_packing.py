@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from paged_jax.core import packing
-from paged_jax.core.sampling import make_sampling_tensors
+from paged_jax.core.sampling_tensors import make_sampling_tensors
 from paged_jax.core.sampling_params import SamplingParams
 
 

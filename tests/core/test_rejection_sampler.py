@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from paged_jax.core import sampling
+from paged_jax.core import sampling, sampling_tensors
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.spec_decode.rejection import num_accepted, rejection_sample
 
@@ -15,7 +15,7 @@ N = 40_000  # rows, each its own seed
 
 
 def tensors(params, n, history=()):
-    return sampling.make_sampling_tensors([params] * n, list(range(n)), [list(history)] * n, [[]] * n, [],
+    return sampling_tensors.make_sampling_tensors([params] * n, list(range(n)), [list(history)] * n, [[]] * n, [],
                                           pad_rows_to=n, vocab_size=V, history_width=16)
 
 
@@ -100,7 +100,7 @@ def test_greedy_rows_accept_the_argmax_and_emit_it_with_its_logprob():
 
 def test_a_greedy_row_beside_drawing_rows_stays_greedy():
     params = [SamplingParams(temperature=0)] + [SamplingParams(temperature=1.0)] * 3
-    t = sampling.make_sampling_tensors(params, [1, 2, 3, 4], [[]] * 4, [[]] * 4, [], pad_rows_to=4, vocab_size=V,
+    t = sampling_tensors.make_sampling_tensors(params, [1, 2, 3, 4], [[]] * 4, [[]] * 4, [], pad_rows_to=4, vocab_size=V,
                                        history_width=0)
     logits = np.tile(LOGITS, (4, 1))
     out, accepted = rejection_sample(logits, t, np.array([3, 3, 3, 3], np.int32))

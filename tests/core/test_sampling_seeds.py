@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from paged_jax.core.sampling import make_sampling_tensors, sample
+from paged_jax.core.sampling import sample
+from paged_jax.core.sampling_tensors import make_sampling_tensors
 from paged_jax.core.sampling_params import SamplingParams
 from sampler_rows import EOS, HISTORY_WIDTH, VOCAB_SIZE, build
 

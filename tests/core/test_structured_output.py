@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
-from paged_jax.core.sampling import make_sampling_tensors, sample
+from paged_jax.core.sampling import sample
+from paged_jax.core.sampling_tensors import make_sampling_tensors
 from paged_jax.core.structured_output import Guide, allowed_tokens
 
 # A finite language, so that even a random model's sampled output ends within max_tokens.
