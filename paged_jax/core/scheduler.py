@@ -9,63 +9,44 @@ Each step the scheduler
    max_num_seqs and the token budget allow (the queue's head waits rather than being overtaken, so
    under FCFS nothing starves).
 
-A step schedules at most max_num_seqs sequences (forks of n > 1 may make more run: the rest wait a
-step). Prompts are held back for latency while sequences decode (step_budget.py: a share of the step's
-tokens, no last few prompt tokens left a step of their own, no first token held back for another
-prompt's), a prompt that cannot finish in this step is admitted only while fewer than
-max_num_partial_prefills are part-way through theirs (each still gets its tokens first in its turn, so
-it finishes), and given the engine's token buckets a prompt chunk is cut to fill its step's bucket.
+Forks of n > 1 may make more than max_num_seqs run: the rest wait a step. Prompts are held back for
+latency while sequences decode (step_budget.py), a prompt that cannot finish in this step is admitted
+only while fewer than max_num_partial_prefills are part-way through theirs, and a prompt chunk is cut
+to fill its step's token bucket.
 
 A sequence whose last token is still on the device (asynchronous scheduling, engine.py) counts it
 (Sequence.num_pending) and is scheduled past it; one that the token is certain to end by length is not.
+Preempted sequences return to the head of the queue, to be prefilled again (recompute: the result is
+identical) or to have their KV brought back from host memory (swap; seq_blocks.py).
 
-Preempted sequences return to the head of the queue. By recompute they are prefilled again (prompt and
-generated tokens, so the result is identical); by swap their blocks' KV goes to host memory and comes
-back into fresh blocks.
-
-The engine's context length fits the whole pool (config.resolve), so a sequence alone always fits, and
-every waiting sequence has a token to compute; the one step that could then schedule nothing while
-some sequence waits is when all that runs are beams awaiting their siblings' proposals, and there
-the newest of them makes way. So every request finishes, whatever the pool.
+The context length fits the whole pool (resolve.py), so a sequence alone always fits; the one step
+that could schedule nothing while some sequence waits is when all that run are beams awaiting their
+siblings' proposals, and there the newest of them makes way. So every request finishes, whatever the pool.
 """
 
 import collections
-import dataclasses
-from typing import Protocol
 
-
+from models.kv_groups import KVGroups
+from paged_jax.core import seq_blocks
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.policy import sort_key
 from paged_jax.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_jax.core.sequence import Sequence, Status
-from paged_jax.core.step_budget import StepBudget, fit_bucket, prompt_cap
+from paged_jax.core.step_budget import StepBudget, fit_bucket, num_partial_prefills, prompt_cap
 from paged_jax.core.window_blocks import WindowBlocks
-from models.kv_groups import KVGroups
-
-
-class KVSwapper(Protocol):
-    def swap_out(self, block_ids: list[int]) -> object: ...
-
-    def swap_in(self, saved: object, block_ids: list[int]) -> None: ...
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: KVSwapper | None = None,
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper: seq_blocks.KVSwapper | None = None,
                  token_buckets: tuple[int, ...] = (), max_model_len: int | None = None, adapters=None,
                  kv_groups: KVGroups | None = None):
-        """token_buckets: the step sizes the model runs at, ascending (buckets.py); none: steps cost by
-        their tokens alone (replay.py's model), and prompt chunks are not cut to fit. max_model_len: the
-        context length, past which a sequence whose pending token reaches it is not scheduled. adapters:
-        the engine's adapters.AdapterSlots (with LoRA enabled): a sequence with an adapter is admitted once
-        its adapter is in a slot. kv_groups: the model's KV groups (models/kv_groups.py); past the first,
-        their blocks are kept by window_blocks.py beside seq.block_ids, the first group's. None: one group."""
-        self.adapters = adapters
-        self.config = config
-        self.max_model_len = max_model_len
-        self.token_buckets = token_buckets
-        self.blocks = block_manager
-        self.swapper = swapper
+        """token_buckets: the step sizes the model runs at, ascending (buckets.py); none: prompt chunks are
+        not cut to fit (replay.py). max_model_len: the context length, which a pending token may end a
+        sequence at. adapters: the engine's AdapterSlots (LoRA): a sequence waits for its adapter's slot.
+        kv_groups: the model's KV groups; past the first, their blocks are kept by window_blocks.py."""
+        self.config, self.blocks, self.swapper, self.adapters = config, block_manager, swapper, adapters
+        self.max_model_len, self.token_buckets = max_model_len, token_buckets
         self.windows = WindowBlocks(block_manager, kv_groups) if kv_groups and kv_groups.num_groups > 1 else None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -180,12 +161,6 @@ class Scheduler:
         return fit_bucket(num_new, self.config.max_num_batched_tokens - budget.tokens, after, self.token_buckets,
                           then=budget.decodes if ends_prompt else None)
 
-    def _num_partial_prefills(self, out: SchedulerOutput) -> int:
-        """Running prompts that will be part-way through their prefill after this step, as scheduled so far."""
-        new = {id(s.seq): s.num_new_tokens for s in out.scheduled}
-        return sum(0 < seq.num_computed_tokens + new[id(seq)] < seq.num_computable_tokens if id(seq) in new
-                   else 0 < seq.num_computed_tokens < seq.num_computable_tokens - 1 for seq in self.running)
-
     def _reserve(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Give seq the blocks its num_new more tokens land in: those it lacks, and a private copy of
         the partly filled block they start in if a fork still shares it. Preempts the last running
@@ -194,17 +169,17 @@ class Scheduler:
         if self.windows is not None:
             self.windows.remove_skipped(seq)
         missing = self._blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_ids)
-        if missing <= 0 and self._shared_tail(seq) is None and not self._group_blocks(seq, num_new):
+        if missing <= 0 and seq_blocks.shared_tail(seq, self.blocks) is None and not self._group_blocks(seq, num_new):
             return True  # most decodes: nothing to reserve
         # Counted again after each preemption: the victim may have been what shared the block.
-        while not self.blocks.can_allocate(missing + (self._shared_tail(seq) is not None)
+        while not self.blocks.can_allocate(missing + (seq_blocks.shared_tail(seq, self.blocks) is not None)
                                            + self._group_blocks(seq, num_new)):
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
-        index = self._shared_tail(seq)
+        index = seq_blocks.shared_tail(seq, self.blocks)
         if index is not None:
             src, dst = self.blocks.copy_on_write(seq.block_ids[index])
             out.copies.append((src, dst))
@@ -217,13 +192,6 @@ class Scheduler:
     def _group_blocks(self, seq: Sequence, num_new: int) -> int:
         """Blocks the KV groups past the first take for seq's num_new more tokens (window_blocks.py)."""
         return 0 if self.windows is None else self.windows.num_needed(seq, seq.num_computed_tokens + num_new)
-
-    def _shared_tail(self, seq: Sequence) -> int | None:
-        """Index in seq.block_ids of the partly filled block its next token lands in, if it is shared."""
-        if seq.num_computed_tokens % self.blocks.block_size == 0:
-            return None  # the next token opens a fresh block
-        index = seq.num_computed_tokens // self.blocks.block_size
-        return index if self.blocks.is_shared(seq.block_ids[index]) else None
 
     def _admit(self, seq: Sequence, budget: StepBudget, out: SchedulerOutput) -> int:
         """Give the queue's head the blocks for its first chunk; its number of new tokens, or 0."""
@@ -246,7 +214,7 @@ class Scheduler:
             group_need = self.windows.num_to_admit(group_cached, num_computed + num_new)
             keep = cached + self.windows.held(group_cached)
         partial = num_computed + num_new < seq.num_computable_tokens
-        if (num_new == 0 or (partial and self._num_partial_prefills(out) >= self.config.max_num_partial_prefills)
+        if (num_new == 0 or (partial and num_partial_prefills(out.scheduled, self.running) >= self.config.max_num_partial_prefills)
                 or budget.delays_first_tokens(num_new) or not self.blocks.can_allocate(need + group_need, keep=keep)
                 or not self._adapter_in_slot(seq)):
             seq.num_computed_tokens = 0
@@ -267,16 +235,12 @@ class Scheduler:
         return seq.lora_slot > 0
 
     def _swap_in(self, seq: Sequence, budget: StepBudget) -> int:
-        num_blocks = self._blocks_for(seq.num_computed_tokens)
         num_new = self._num_new_tokens(seq, budget)
         need = self._blocks_for(seq.num_computed_tokens + num_new)
         extra = 0 if self.windows is None else self.windows.num_to_restore(seq, need)
         if num_new == 0 or not self.blocks.can_allocate(need + extra) or not self._adapter_in_slot(seq):
             return 0
-        seq.block_ids = self.blocks.allocate(need)
-        restored = [] if self.windows is None else self.windows.restore(seq, need, num_blocks)
-        self.swapper.swap_in(seq.swapped_kv, seq.block_ids[:num_blocks] + restored)
-        seq.swapped_kv = None
+        seq_blocks.swap_in(seq, self.blocks, self.windows, self.swapper, need)
         return num_new
 
     def recompute_all(self) -> None:
@@ -291,20 +255,10 @@ class Scheduler:
         # Admission needs a token to run: a beam awaiting its siblings, with every token computed,
         # keeps all but its last.
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-        if self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0:
-            num_blocks = self._blocks_for(seq.num_computed_tokens)
-            ids = seq.block_ids[:num_blocks]
-            if self.windows is not None:
-                self.windows.remove_skipped(seq)
-                ids += self.windows.swap_ids(seq, num_blocks)
-            seq.swapped_kv = self.swapper.swap_out(ids)
-        else:
+        swap = self.config.preemption_mode == "swap"
+        seq_blocks.release(seq, self.blocks, self.windows, self.swapper if swap else None)
+        if not swap:
             seq.num_computed_tokens = 0
-        self.blocks.free(seq.block_ids)
-        if self.windows is not None:
-            self.windows.free(seq)
-        seq.block_ids = []
-        seq.num_cached_blocks = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -325,16 +279,8 @@ class Scheduler:
         return forked[::-1]
 
     def fork(self, parent: Sequence, *, seq_id: int, index: int) -> Sequence:
-        """A copy of parent that shares its KV blocks (copy-on-write) and queues right behind it, with a
-        copy of its constraint's matcher."""
-        child = dataclasses.replace(parent, seq_id=seq_id, index=index, forks=1, token_ids=list(parent.token_ids),
-                                    block_ids=list(parent.block_ids), block_hashes=list(parent.block_hashes),
-                                    group_block_ids=[list(ids) for ids in parent.group_block_ids],
-                                    logprobs=[], beam_candidates=None,
-                                    guide=parent.guide and parent.guide.fork())
-        self.blocks.share(parent.block_ids)
-        if self.windows is not None:
-            self.windows.share(parent)
+        """A copy of parent that shares its KV blocks (seq_blocks.fork) and queues right behind it."""
+        child = seq_blocks.fork(parent, self.blocks, self.windows, seq_id=seq_id, index=index)
         queue = self.running if parent.status is Status.RUNNING else self.waiting
         queue.insert(list(queue).index(parent) + 1, child)
         return child
@@ -345,10 +291,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq.block_ids)
-        if self.windows is not None:
-            self.windows.free(seq)
-        seq.block_ids = []
+        seq_blocks.release(seq, self.blocks, self.windows)
         seq.swapped_kv = None
         seq.status = Status.FINISHED
 

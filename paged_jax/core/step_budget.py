@@ -9,6 +9,7 @@ import bisect
 from collections.abc import Sequence as Buckets
 
 from paged_jax.core.config import EngineConfig
+from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.core.sequence import Sequence
 
 # Prompt tokens a step may carry per decoding sequence, whatever long_prefill_token_threshold says:
@@ -101,3 +102,10 @@ def fit_bucket(num_new: int, before: int, after: int, buckets: Buckets[int], the
         if padding <= STEP_OVERHEAD_TOKENS + next_step:
             return num_new
     return num_new - excess if excess < min(num_new, padding) else num_new
+
+
+def num_partial_prefills(scheduled: list[ScheduledSeq], running: list[Sequence]) -> int:
+    """Running prompts that will be part-way through their prefill after this step, as scheduled so far."""
+    new = {id(s.seq): s.num_new_tokens for s in scheduled}
+    return sum(0 < seq.num_computed_tokens + new[id(seq)] < seq.num_computable_tokens if id(seq) in new
+               else 0 < seq.num_computed_tokens < seq.num_computable_tokens - 1 for seq in running)
