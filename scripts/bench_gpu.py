@@ -9,7 +9,7 @@ Each part prints `[PASS|FAIL|SKIP] name: figures` and its time; an exception fai
 Parts, in the order they run (the 8B model's first: if time runs short, the figures the issue is
 about are out):
 - llama8b: Llama-3.1-8B's shape (scripts/configs/llama-3.1-8b.json) with random bfloat16 weights drawn
-  on the device. The engine's model call (model_runner.step on what runner.step_args gives: its
+  on the device. The engine's model call (step_programs.step on what runner.step_args gives: its
   weights, its KV cache, the step's host arrays), on a decode batch of 64 sequences at 1,024 tokens
   of context against the HBM floor (the weights it reads and the K/V, once, at a device copy's rate),
   and on one prompt of 8,192 tokens against a bfloat16 matmul's peak, both measured in the same run.

@@ -9,7 +9,7 @@
   them (its weight table run backwards), handed to torch through DLPack on the same device, and
   generated from by transformers' continuous batching (`generate_batch`). torch is imported here
   only, never by the engine.
-- The model call: an engine's jitted model step (model_runner.step) on a hand-made batch, timed as the
+- The model call: an engine's jitted model step (step_programs.step) on a hand-made batch, timed as the
   runner calls it.
 """
 
@@ -28,7 +28,7 @@ from models import loader
 from models.config import ModelConfig
 from models.registry import architecture, traits
 from paged_jax import SamplingParams
-from paged_jax.core import model_runner
+from paged_jax.core import step_programs
 from paged_jax.core.scheduler import ScheduledSeq
 from paged_jax.core.sequence import Sequence
 
@@ -62,7 +62,7 @@ def random_model(config: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0) -> n
 
 
 def weight_bytes(model: nnx.Module) -> int:
-    """Bytes of the parameters the model call (model_runner.step) reads whole: all but the embedding, of
+    """Bytes of the parameters the model call (step_programs.step) reads whole: all but the embedding, of
     which it gathers a row a token, and the lm_head, which the sampler's call reads (a tied one is the
     embedding)."""
     return sum(v.size * v.dtype.itemsize for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
@@ -203,7 +203,7 @@ class Timing(NamedTuple):
 
 def time_model_call(engine, scheduled: list[ScheduledSeq], repeats: int) -> Timing:
     """An LLMEngine's model call on `scheduled`, with the host arrays its runner would pass
-    (model_runner.step on what runner.step_args gives), over random pages, called 1 + repeats times.
+    (step_programs.step on what runner.step_args gives), over random pages, called 1 + repeats times.
     The KV cache is donated: each call takes the one the last returned, as the runner's steps do, and
     the runner is given a fresh one after."""
     (graph, weights, kv_cache, *step_inputs), keywords = engine.runner.step_args(scheduled)
@@ -211,7 +211,7 @@ def time_model_call(engine, scheduled: list[ScheduledSeq], repeats: int) -> Timi
     times, compiled = [], []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        hidden, kv_cache = model_runner.step(graph, weights, kv_cache, *step_inputs, **keywords)
+        hidden, kv_cache = step_programs.step(graph, weights, kv_cache, *step_inputs, **keywords)
         jax.block_until_ready((hidden, kv_cache))
         times.append(time.perf_counter() - start)
         compiled.append(engine.runner.num_compiles)

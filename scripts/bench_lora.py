@@ -12,7 +12,7 @@ into --adapters slots of an engine (enable_lora). Timed, alternating the two for
 - adapter load: reading an adapter's folder (safetensors, checks, padding to the rank) and loading it into
   a slot on the device (one call of lora.load_into, compiled before).
 
-The model call is model_runner.step on what the engine's runner gives for these sequences (the head and
+The model call is step_programs.step on what the engine's runner gives for these sequences (the head and
 sampler are not timed: LoRA does not touch them). Goals (issue 41): decode <= 1.25x, prefill <= 1.15x,
 load <= 100 ms. On a machine others load too, the minimum of the repeats is the steadier figure.
 """
@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 
 from models import load_model, lora
 from paged_jax import EngineConfig, LLMEngine, LoRARequest, SamplingParams
-from paged_jax.core import model_runner
+from paged_jax.core import step_programs
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.core.sequence import Sequence
 
@@ -81,14 +81,14 @@ def sequences(shape: list[tuple[int, int]], slots: list[int], block_size: int) -
 def time_steps(engine: LLMEngine, scheduled: list[ScheduledSeq], repeats: int) -> dict[bool, list[float]]:
     """Seconds of each model call without (False) and with (True) LoRA, alternating."""
     runner = engine.runner
-    with_lora = runner.host_inputs(scheduled)[0]
+    with_lora = runner.inputs.step(scheduled)[0]
     without = dataclasses.replace(with_lora, lora_rows=None)
     times = {False: [], True: []}
 
     def call(step_input, use_lora: bool) -> float:
         args, keywords = runner._step_args(step_input)
         start = time.perf_counter()
-        hidden, runner.kv_cache = model_runner.step(*(args if use_lora else args[:5]), **keywords)
+        hidden, runner.kv_cache = step_programs.step(*(args if use_lora else args[:5]), **keywords)
         hidden.block_until_ready()
         return time.perf_counter() - start
 

@@ -83,9 +83,9 @@ def _stand_in_library() -> ctypes.CDLL:
 
 
 class StandIn:
-    """Replaces model_runner.step: holds an XLA thread for `seconds` without using the CPU (an FFI call
+    """Replaces step_programs.step: holds an XLA thread for `seconds` without using the CPU (an FFI call
     that sleeps, stand_in_device.cc, which needs no GIL), and records when each call was dispatched,
-    started and ended. `sample_step` stands in for model_runner.sample_step.
+    started and ended. `sample_step` stands in for step_programs.sample_step (patched where the runner looks it up).
 
     Each stand-in also does ~10^5 flops of real work: XLA's CPU client runs a program it deems cheap
     inline, on the calling thread (waiting there for its inputs), and a model step or a sampler over

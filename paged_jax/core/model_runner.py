@@ -1,9 +1,6 @@
 """Runs one engine step on the device: the model call over the step's flat batch, then the head and
-the sampler over the rows that sample.
-
-Two jitted calls, so that their static sizes multiply no further than each needs (buckets.py): the
-model's by the step's tokens, the head's and sampler's by the sampled rows, which the lm_head pays for
-one by one. Every program either can run is made by `warm_up`, on padding that writes nothing.
+the sampler over the rows that sample (step_programs.py), on host arrays built by step_inputs.py.
+Every program a step can run is made by `warm_up`, on padding that writes nothing.
 
 The KV cache is donated to every call that changes it, so XLA updates its pages in place, and a step
 sends back only what the sampler picked (one device-to-host transfer). A step is dispatched
@@ -27,78 +24,19 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
-from models import rope, sharding
-from paged_jax.core import distributed, kv_blocks, multi_step, packing, sampling, sampling_tensors, structured_output
-from paged_jax.core.adapters import padding_forms, with_lora_rows
-from paged_jax.core.batch import StepInput, build_step_input, padding_step_input
+from models import sharding
+from paged_jax.core import distributed, kv_blocks, multi_step, packing, sampling, sampling_tensors
+from paged_jax.core.batch import StepInput
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.resolve import ResolvedConfig
-from paged_jax.core.group_tables import with_group_tables
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler_output import ScheduledSeq
+from paged_jax.core.step_inputs import StepInputs
+from paged_jax.core.step_programs import ModelGraph, sample_step, step
 from paged_jax.spec_decode.verify_step import verify_step
 
 # Blocks per swap transfer: a sequence's blocks move in several calls of this one shape.
 SWAP_BLOCKS = 16
-
-
-class ModelGraph:
-    """The model's structure, a static argument of `step`: its nnx graphdef and the treedef of its
-    weights. Hashed once: jit hashes its static arguments on every call, and hashing a graphdef (or
-    flattening an nnx.State) walks the whole model in Python, milliseconds a step."""
-
-    def __init__(self, graphdef: nnx.GraphDef, state: nnx.State):
-        self.graphdef = graphdef
-        self.treedef = jax.tree.structure(state)
-        self._hash = hash((graphdef, self.treedef))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, ModelGraph) and self._hash == other._hash
-                                 and (self.graphdef, self.treedef) == (other.graphdef, other.treedef))
-
-
-@functools.partial(jax.jit, static_argnames=("graph", "layout", "attn_backend", "mesh"), donate_argnames=("kv_cache",))
-def step(graph: ModelGraph, weights: tuple[jax.Array, ...], kv_cache: KVCache, packed: jax.Array,
-         previous: jax.Array, lora=None, *, layout: packing.Layout, attn_backend: str, mesh: Mesh | None = None):
-    """The model's layers over one flat batch.
-
-    weights: the model state's leaves, in graph.treedef's order.
-    kv_cache: every layer's pages, donated (updated in place; do not reuse the one passed in).
-    packed: int32 [words], the step's StepInput as packing.pack laid it out (layout): one transfer.
-    previous: int32 [num_head_rows], the previous step's sampled tokens, which the batch's
-        placeholders (step_input.token_src) take their ids from.
-    attn_backend: a concrete backend (kernels_pallas.BACKENDS, not "auto": the caller knows the
-        platform it compiles for, the trace does not).
-    mesh: the mesh that state and kv_cache are split over (tensor parallelism), or None.
-    lora: the LoRA adapters' slots (models.lora.LoRAWeights), which step_input.lora_rows index; None: none.
-    Returns (the last layer's output at step_input.logits_indices [num_head_rows, hidden], the cache
-    holding the step's K/V).
-    """
-    model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
-    step_input: StepInput = packing.unpack(packed, layout)
-    src = step_input.token_src
-    input_ids = jnp.where(src >= 0, previous[jnp.maximum(src, 0)], step_input.input_ids)
-    hidden, kv_cache = model.hidden_states(input_ids, step_input.positions, kv_cache, step_input.metadata,
-                                           attn_backend=attn_backend, mesh=mesh,
-                                           cos_sin=(step_input.cos, step_input.sin), lora=lora,
-                                           lora_rows=step_input.lora_rows)
-    return hidden[step_input.logits_indices], kv_cache
-
-
-@functools.partial(jax.jit, static_argnames=("graph", "layout"))
-def sample_step(graph: ModelGraph, weights: tuple[jax.Array, ...], hidden: jax.Array, packed: jax.Array,
-                previous: jax.Array, *, layout: packing.Layout) -> tuple[sampling.SamplerOutput, jax.Array]:
-    """The final norm, the lm_head and the sampler over the first S rows of hidden [rows, hidden] (S:
-    the tensors' rows); packed: int32 [words], the SamplingTensors as packing.pack laid them out;
-    previous: int32 [rows], the previous step's tokens (a history's PENDING ids).
-    Returns the SamplerOutput with S rows, and its tokens padded to int32 [rows] for the next step."""
-    model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
-    tensors: sampling_tensors.SamplingTensors = packing.unpack(packed, layout)
-    sampled = sampling.sample(model.logits(hidden[: tensors.temperature.shape[0]]), tensors, previous)
-    return sampled, jnp.zeros(hidden.shape[0], jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens)
 
 
 class ModelRunner:
@@ -114,15 +52,15 @@ class ModelRunner:
         self._weights = tuple(jax.tree.leaves(self.state))
         self.mesh = mesh
         self.model_config = model_config
-        self._rope_freq = rope.inv_freq(model_config)
         self.resolved = resolved
+        self.inputs = StepInputs(resolved, model_config, adapters)
         self.kv_cache = self._new_kv_cache()
         # The last dispatched step's sampled tokens, on the device: the next step's placeholders' ids.
         replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
                       else self._weights[0].sharding)
         self._previous = jax.device_put(np.zeros(resolved.buckets.num_head_rows, np.int32), replicated)
         self.max_decode_steps = max_decode_steps
-        self._rope_freq_device = jax.device_put(self._rope_freq, replicated)
+        self._rope_freq_device = jax.device_put(self.inputs.rope_freq, replicated)
         self.step_observers: list = []  # each called with a step's scheduled sequences before it runs (step_profile.py)
         self.device_seconds = 0.0  # dispatching steps and waiting for their samples, so far
         self.speculative = False  # whether steps may verify drafts (spec_decode/): warm_up makes verify_step too
@@ -173,9 +111,9 @@ class ModelRunner:
         start = time.perf_counter()
         if num_steps is None:
             sampled = self.dispatch_step(np.asarray(copies, np.int32).reshape(-1, 2),
-                                         *(verify_inputs or self.host_inputs(scheduled)))
+                                         *(verify_inputs or self.inputs.step(scheduled)))
         else:
-            sampled = self.dispatch_decode(self.decode_run(scheduled, num_steps))
+            sampled = self.dispatch_decode(self.inputs.decode_run(scheduled, num_steps))
         for x in jax.tree.leaves(sampled):
             x.copy_to_host_async()
         self.device_seconds += time.perf_counter() - start
@@ -188,40 +126,10 @@ class ModelRunner:
         self.device_seconds += time.perf_counter() - start
         return sampled
 
-    def host_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInput, sampling_tensors.SamplingTensors]:
-        """The step's host arrays for these sequences: the flat batch and page tables, the sampling tensors."""
-        seqs = [s.seq for s in scheduled]
-        # A row that does not sample this step (a prompt chunk) has nothing to constrain.
-        guides = [s.seq.guide if s.samples else None for s in scheduled]
-        step_input = self._group_tables(
-            build_step_input(scheduled, self.resolved.block_size, self.resolved.buckets, self._rope_freq), scheduled)
-        if self.adapters is not None:
-            step_input = with_lora_rows(step_input, scheduled, self.adapters.max_loras)
-        # A pending token counts as generated (the sampler's step, min_tokens) and, under penalties, is
-        # read into the history on the device. Without penalties only the counts are read: ranges of
-        # the right length, not copies of every sequence's tokens every step.
-        params = [s.params for s in seqs]
-        if any(p.uses_penalties for p in params):
-            prompt_ids = [s.token_ids[: s.num_prompt_tokens] for s in seqs]
-            output_ids = [s.output_token_ids + [sampling_tensors.PENDING] * s.num_pending for s in seqs]
-        else:
-            prompt_ids, output_ids = [()] * len(seqs), [range(s.num_output_tokens + s.num_pending) for s in seqs]
-        return step_input, self._sampling_tensors(
-            params, [(s.seed * 31 + s.index) % (2**31 - 1) for s in seqs], prompt_ids, output_ids, guides,
-            [s.sample_row for s in seqs])
-
-    def _sampling_tensors(self, params, seeds, prompt_ids, output_ids, guides=(),
-                          pending_rows=()) -> sampling_tensors.SamplingTensors:
-        rows, vocab = self.resolved.buckets.sample_rows(len(params)), self.model_config.vocab_size
-        allowed = structured_output.allowed_tokens(guides, rows, vocab) if any(g is not None for g in guides) else None
-        return sampling_tensors.make_sampling_tensors(
-            params, seeds, prompt_ids, output_ids, self.model_config.eos_token_ids, allowed=allowed,
-            pad_rows_to=rows, vocab_size=vocab, history_width=self.resolved.max_model_len, pending_rows=pending_rows)
-
     def step_args(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict]:
         """(args, keywords) that `execute` calls `step`, the model call, with for these sequences: the
         model's graph, its weights, the KV cache, the step's host arrays; the attention backend."""
-        return self._step_args(self.host_inputs(scheduled)[0])
+        return self._step_args(self.inputs.step(scheduled)[0])
 
     def _step_args(self, step_input: StepInput) -> tuple[tuple, dict]:
         packed, layout = packing.pack(step_input)
@@ -259,17 +167,6 @@ class ModelRunner:
         sampled, self._previous = self._sample(hidden, tensors) if drafts is None else self._verify(hidden, tensors, drafts)
         return sampled
 
-    def decode_run(self, scheduled: list[ScheduledSeq], num_steps: list[int]) -> multi_step.DecodeRun:
-        """A multi-step dispatch's host arrays: these decoding sequences, each running num_steps[i] steps."""
-        step_input, tensors = self.host_inputs(scheduled)
-        return self._decode_run(step_input, tensors, num_steps, [not s.seq.params.ignore_eos for s in scheduled])
-
-    def _decode_run(self, step_input: StepInput, tensors: sampling_tensors.SamplingTensors, num_steps,
-                    stops_at_eos) -> multi_step.DecodeRun:
-        rows = tensors.temperature.shape[0]
-        column = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, rows - len(values)))
-        return multi_step.DecodeRun(step_input, tensors, column(num_steps, np.int32), column(stops_at_eos, np.bool_))
-
     def decode_args(self, run: multi_step.DecodeRun) -> tuple[tuple, dict]:
         """(args, keywords) that `dispatch_decode` calls multi_step.decode_steps with for `run`."""
         packed, layout = packing.pack(run)
@@ -293,17 +190,17 @@ class ModelRunner:
         if self.mesh is None and self.resolved.platform == "cpu":  # the one pool allocated unwritten (_new_kv_cache)
             self.kv_cache = kv_blocks.write_every_page(self.kv_cache)
         buckets = self.resolved.buckets
-        samplers = [self._sampling_tensors([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
+        samplers = [self.inputs.sampling([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
                     for rows in buckets.all_sample_rows()
                     for params in (SamplingParams(temperature=0), SamplingParams(),
                                    SamplingParams(temperature=0, repetition_penalty=1.1),
                                    SamplingParams(repetition_penalty=1.1))]
         for i, shape in enumerate(buckets.shapes()):
-            for j, step_input in enumerate(self._padding_steps(shape)):
+            for j, step_input in enumerate(self.inputs.padding(shape)):
                 self.warm_step(step_input, samplers if i == j == 0 else [])
         # The step's previous tokens are a sample_step output from here on; warm_step ran on the first
         # ones (_previous), placed where those outputs are, so no program is made twice.
-        self.collect(self.dispatch_step(np.zeros((1, 2), np.int32), self._padding_step(buckets.shapes()[0]),
+        self.collect(self.dispatch_step(np.zeros((1, 2), np.int32), self.inputs.padding(buckets.shapes()[0])[0],
                                         samplers[0]))
         if self.max_decode_steps > 1:
             self._warm_decode_runs()
@@ -319,24 +216,9 @@ class ModelRunner:
                               for rows in range(1, buckets.num_head_rows + 1))
         for shape, rows in pairs:
             for params in (SamplingParams(temperature=0), SamplingParams()):
-                tensors = self._sampling_tensors([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
-                run = self._decode_run(self._padding_step(shape), tensors, [0] * rows, [False] * rows)
+                tensors = self.inputs.sampling([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
+                run = self.inputs.padded_decode_run(self.inputs.padding(shape)[0], tensors, [0] * rows, [False] * rows)
                 self.collect(self.dispatch_decode(run))
-
-    def _padding_step(self, shape) -> StepInput:
-        return self._padding_steps(shape)[0]
-
-    def _padding_steps(self, shape) -> list[StepInput]:
-        """A step of padding of this shape in each form it takes (with LoRA, adapters.padding_forms)."""
-        step_input = self._group_tables(padding_step_input(shape, self.resolved.buckets.num_head_rows, self._rope_freq), [])
-        return [step_input] if self.adapters is None else padding_forms(step_input, self.adapters.max_loras)
-
-    def _group_tables(self, step_input: StepInput, scheduled: list[ScheduledSeq]) -> StepInput:
-        """step_input with a page table per KV group where the model's layers form several (group_tables.py)."""
-        num_groups = self.resolved.kv_groups.num_groups
-        if num_groups == 1:
-            return step_input
-        return with_group_tables(step_input, scheduled, self.resolved.block_size, num_groups)
 
     @distributed.replicated
     def warm_step(self, step_input: StepInput, samplers: list[sampling_tensors.SamplingTensors]) -> None:

@@ -40,9 +40,9 @@ class DecodeRun:
 def decode_steps(graph, weights: tuple[jax.Array, ...], kv_cache, packed: jax.Array, previous: jax.Array,
                  rope_freq: jax.Array, *, layout: packing.Layout, attn_backend: str, mesh: Mesh | None,
                  max_steps: int, block_size: int, eos_ids: tuple[int, ...]):
-    """Up to max_steps decode steps of the model and its sampler (model_runner.step and sample_step, fused).
+    """Up to max_steps decode steps of the model and its sampler (step_programs.step and sample_step, fused).
 
-    weights, kv_cache (donated), attn_backend, mesh: as model_runner.step takes them.
+    weights, kv_cache (donated), attn_backend, mesh: as step_programs.step takes them.
     packed: int32 [words], a DecodeRun as packing.pack laid it out (layout).
     previous: int32 [num_head_rows], the previous dispatch's last samples (the first step's placeholders').
     rope_freq: float32 [F], rope.inv_freq of the model.

@@ -41,7 +41,7 @@ def classify_hlo(text: str) -> dict[str, str]:
 
 
 def compiled_text(program, abstract, *, scoped: bool) -> str:
-    """The optimized HLO of one of the step's jitted programs (model_runner.step, sample_step) for
+    """The optimized HLO of one of the step's jitted programs (step_programs.step, sample_step) for
     `abstract` = (graph, arrays as jax.ShapeDtypeStruct, keywords): what a traced run's op names point
     into. scoped: the program holds the model's named scopes, checked to be there."""
     graph, arrays, keywords = abstract

@@ -38,12 +38,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from paged_jax.core import model_runner
+from paged_jax.core import step_programs
 from paged_jax.research import hlo_parts, machine_peaks, trace_ops
 
 PARTS = ("matmul", "attention", "kv_write", "other", "host")
 # The step's two programs (core/model_runner.py): the model call, then the head and the sampler.
-_STEP_MODULES = {"jit_step": model_runner.step, "jit_sample_step": model_runner.sample_step}
+_STEP_MODULES = {"jit_step": step_programs.step, "jit_sample_step": step_programs.sample_step}
 
 
 @dataclasses.dataclass
@@ -88,10 +88,10 @@ def profile_run(engine, requests, params, *, matmul_peak: float | None = None,
         abstract = _abstract(args, keywords)
         key = _signature_key(abstract)
         if key not in programs:
-            out = model_runner.step.trace(abstract[0], *abstract[1], **keywords).lower().out_info[0]
+            out = step_programs.step.trace(abstract[0], *abstract[1], **keywords).lower().out_info[0]
             programs[key] = ("jit_step", abstract)
             hidden_of[key] = jax.ShapeDtypeStruct(out.shape, out.dtype)
-        tensors = runner.host_inputs(scheduled)[1]
+        tensors = runner.inputs.step(scheduled)[1]
         sample = _abstract(*runner.sample_args(hidden_of[key], tensors))
         sample_key = _signature_key(sample)
         programs.setdefault(sample_key, ("jit_sample_step", sample))

@@ -16,8 +16,6 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.core.adapters import with_lora_rows
-from paged_jax.core.batch import build_step_input
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.core.sequence import Sequence, Status
 from paged_jax.spec_decode.config import SpeculativeConfig
@@ -121,10 +119,7 @@ class Speculator:
         """The step's host arrays with a head row per draft: (StepInput, SamplingTensors, int32 [S]
         drafts, -1 where a row has none) for ModelRunner.dispatch. A row after j drafts counts them as
         output (its step, its bans until min_tokens, its penalties' history)."""
-        step_input = build_step_input(scheduled, runner.resolved.block_size, runner.resolved.buckets,
-                                      runner._rope_freq)
-        if runner.adapters is not None:  # each token row on its sequence's LoRA slot, drafts too
-            step_input = with_lora_rows(step_input, scheduled, runner.adapters.max_loras)
+        step_input = runner.inputs.batch(scheduled)  # each token row on its sequence's LoRA slot, drafts too
         starts = step_input.metadata.query_start_loc
         indices, params, seeds, prompt_ids, output_ids, guides, drafts = [], [], [], [], [], [], []
         penalties = any(s.seq.params.uses_penalties for s in scheduled)
@@ -143,7 +138,7 @@ class Speculator:
                 guides.append(seq.guide if s.samples else None)
         step_input.logits_indices[:] = 0
         step_input.logits_indices[: len(indices)] = indices
-        tensors = runner._sampling_tensors(params, seeds, prompt_ids, output_ids, guides)
+        tensors = runner.inputs.sampling(params, seeds, prompt_ids, output_ids, guides)
         rows = tensors.temperature.shape[0]
         return step_input, tensors, np.pad(np.asarray(drafts, np.int32), (0, rows - len(drafts)), constant_values=-1)
 

@@ -16,7 +16,7 @@ def verify_step(graph, weights: tuple[jax.Array, ...], hidden: jax.Array, packed
                 *, layout: packing.Layout):
     """The final norm, the lm_head and the rejection sampler over the first S rows of hidden [rows,
     hidden]; packed: int32 [words], (SamplingTensors, drafts int32 [S]) as packing.pack laid them out;
-    graph, weights, previous as in model_runner.sample_step.
+    graph, weights, previous as in step_programs.sample_step.
     Returns ((SamplerOutput, accepted bool [S]), its tokens padded to int32 [rows] for the next step)."""
     model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
     tensors, drafts = packing.unpack(packed, layout)

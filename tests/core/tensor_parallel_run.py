@@ -15,7 +15,7 @@ import jax
 from models import sharding
 from models.loader import shard_model
 from models.tiny import TINY_LLAMA, random_model
-from paged_jax.core import model_runner
+from paged_jax.core import model_runner, step_programs
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.resolve import resolve
 from paged_jax.core.engine import LLMEngine
@@ -59,7 +59,7 @@ def collectives(engine: LLMEngine) -> list[list]:
     engine.add_request(PROMPTS[2], PARAMS)
     scheduled = engine.scheduler.schedule().scheduled
     args, keywords = engine.runner.step_args(scheduled)
-    text = model_runner.step.lower(*args, **keywords).compile().as_text()
+    text = step_programs.step.lower(*args, **keywords).compile().as_text()
     found = re.findall(r"= \w+\[([\d,]*)\][^ ]* (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\(",
                        text)
     return [[op, [int(d) for d in shape.split(",") if d]] for shape, op in found]
@@ -142,7 +142,7 @@ def cuda_lowering() -> dict:
     (graph, *arrays), keywords = runner.step_args(scheduled)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                             arrays)
-    text = model_runner.step.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",)).as_text()
+    text = step_programs.step.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",)).as_text()
     return dict(backend=resolved.attention_backend, triton="__gpu$xla.gpu.triton" in text,
                 manual="sdy.manual_computation" in text or "shard_map" in text,
                 # The kernel's pages on one device: 64 blocks of 16 slots, 1 of the 4 KV heads.

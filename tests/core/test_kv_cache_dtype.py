@@ -8,7 +8,7 @@ import pytest
 
 from models import load_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
-from paged_jax.core import kv_blocks, model_runner
+from paged_jax.core import kv_blocks, step_programs
 from engine_cases import FORK_OPTIONS, generate_forks
 
 STEPS = 24
@@ -75,7 +75,7 @@ def test_no_step_converts_or_copies_a_bfloat16_page_pool(tiny, prompts):
     scheduled = engine.scheduler.schedule().scheduled
     args, keywords = engine.runner.step_args(scheduled)
     pool = ",".join(map(str, engine.runner.kv_cache.k[0].shape))
-    programs = {"step": model_runner.step.lower(*args, **keywords),
+    programs = {"step": step_programs.step.lower(*args, **keywords),
                 "copy_blocks": kv_blocks.copy_blocks.lower(engine.runner.kv_cache, np.zeros((2, 2), np.int32),
                                                               np.int32(1))}
     for name, lowered in programs.items():

@@ -12,7 +12,7 @@ from flax import nnx
 
 from kernels_pallas import layout
 from models.tiny import TINY_LLAMA, random_model
-from paged_jax.core import model_runner, multi_step
+from paged_jax.core import model_runner, multi_step, step_programs
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.resolve import resolve
 from paged_jax.core.sampling_params import SamplingParams
@@ -54,7 +54,7 @@ def lower_step_for_cuda(batch: str, block_size: int, weights_dtype, dtype: str =
     runner = model_runner.ModelRunner(random_model(dtype=weights_dtype), TINY_LLAMA, resolved)
     (graph, *arrays), keywords = runner.step_args(scheduled(batch, block_size))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
-    lowered = model_runner.step.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",))
+    lowered = step_programs.step.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",))
     return lowered.as_text(), resolved
 
 
@@ -89,7 +89,7 @@ def test_multi_step_decode_lowers_for_cuda_with_the_pallas_kernel(dtype):
     config = EngineConfig(block_size=16, num_blocks=NUM_BLOCKS, num_scheduler_steps=8)
     resolved = resolve(config, TINY_LLAMA, FAKE_GPU, jnp.dtype(dtype))
     runner = model_runner.ModelRunner(random_model(dtype=jnp.dtype(dtype)), TINY_LLAMA, resolved, max_decode_steps=8)
-    (graph, *arrays), keywords = runner.decode_args(runner.decode_run(scheduled("decode", 16), [8, 3, 1]))
+    (graph, *arrays), keywords = runner.decode_args(runner.inputs.decode_run(scheduled("decode", 16), [8, 3, 1]))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
     text = multi_step.decode_steps.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "stablehlo.while" in text

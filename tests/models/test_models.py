@@ -111,7 +111,7 @@ def tiny_model(request, tiny_checkpoint):
 
 
 def make_forward(graphdef: nnx.GraphDef):
-    """The model's own call as the engine's step makes it (model_runner.step merges the state into the
+    """The model's own call as the engine's step makes it (step_programs.step merges the state into the
     graph and calls the model, under jit, the cache donated), without the sampler: the logits.
 
         logits, kv_cache = forward(state, input_ids, positions, kv_cache, metadata, logits_indices)

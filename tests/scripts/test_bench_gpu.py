@@ -19,7 +19,7 @@ import bench_gpu  # noqa: E402  (a script beside gpu_check.py and bench_throughp
 import bench_gpu_models  # noqa: E402
 
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from paged_jax.core import model_runner  # noqa: E402
+from paged_jax.core import model_runner, step_programs# noqa: E402
 from paged_jax.core.resolve import resolve  # noqa: E402
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -96,7 +96,7 @@ def test_the_8b_model_call_lowers_for_cuda_with_the_pallas_kernel():
     for scheduled in (batch(seqs, context, 1), batch(1, tokens, tokens)):
         (graph, *arrays), keywords = runner.step_args(scheduled)
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
-        text = model_runner.step.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",)).as_text()
+        text = step_programs.step.trace(graph, *abstract, **keywords).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text, "the model call must run the Pallas Triton kernel"
         assert "tensor<4096x8x6x128xbf16>" in text, "q/k/v fused per KV head: 32 heads over 8, head_dim 128"
         assert text.count(pages) >= 2 * config.num_layers, "every layer's K and V pages"
