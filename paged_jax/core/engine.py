@@ -7,7 +7,6 @@ the loop); LLM (llm.py) drives it to completion for offline batches. What a fron
 (structured outputs'); the scheduler, the block manager and the runner are the engine's own.
 """
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -15,31 +14,24 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 import models
-from models.loader import shard_model
-from paged_jax.core import (beam_search, compilation_cache, cpu_matmul, distributed, engine_stats, output_processor,
+from paged_jax.core import (beam_search, compilation_cache, distributed, engine_stats, multi_step, output_processor,
                             structured_output, validation)
-from paged_jax.core.adapters import AdapterSlots
-from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.config import EngineConfig
-from paged_jax.core.resolve import default_device, default_dtype, resolve
+from paged_jax.core.engine_parts import build_parts
 from paged_jax.core.engine_stats import EngineStats
 from paged_jax.core.errors import RequestError
 from paged_jax.core.lora_request import LoRARequest
-from paged_jax.core.model_runner import ModelRunner
 from paged_jax.core.outputs import RequestOutput
-from paged_jax.core.request import Request
+from paged_jax.core.request import Request, new_request
+from paged_jax.core.resolve import default_device, default_dtype
 from paged_jax.core.sampling import SamplerOutput
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.core.stop_checker import StopRules
 from paged_jax.core.validation import EngineLimits
-from paged_jax.spec_decode.rejection import num_accepted
-from paged_jax.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -62,69 +54,23 @@ class _InFlight(NamedTuple):
 
 class LLMEngine:
     def __init__(self, model, model_config, tokenizer, config: EngineConfig | None = None):
-        """model: of an architecture in models.registry, on the default device (where the engine runs), or
-        already split over the engine's mesh (models.load_model(..., mesh=...)); tokenizer: a transformers tokenizer.
-
-        With tensor_parallel_size N > 1 the engine runs on the first N devices, the model split over
-        them (models/sharding.py); model_config is then the split model's (KV heads' copies counted).
-        """
+        """model: of an architecture in models.registry, on the default device, or already split over the
+        engine's mesh (tensor_parallel_size > 1; engine_parts.py); tokenizer: a transformers tokenizer."""
         self.config = config or EngineConfig()
-        mesh = distributed.engine_mesh(self.config.tensor_parallel_size)
-        if mesh is not None:
-            model = shard_model(model, mesh)
-            model_config = dataclasses.replace(model_config, num_kv_heads=model.config.num_kv_heads)
-        self.model_config = model_config
+        parts = build_parts(model, model_config, self.config)
+        self.model_config, self.resolved, self.adapters = parts.model_config, parts.resolved, parts.adapters
+        self.runner, self.blocks, self.scheduler, self.speculator = (parts.runner, parts.blocks, parts.scheduler,
+                                                                     parts.speculator)
         self.tokenizer = tokenizer
-        weights_dtype = jnp.result_type(*jax.tree.leaves(nnx.state(model, nnx.Param)))
-        self.resolved = resolve(self.config, model_config, default_device(), weights_dtype)
-        # In a group of processes each holds a share of one cache: the fewest blocks any has room for.
-        num_blocks = distributed.agree(self.resolved.num_blocks, (self.config, model_config))
-        if num_blocks != self.resolved.num_blocks:
-            self.resolved = resolve(dataclasses.replace(self.config, num_blocks=num_blocks), model_config,
-                                    default_device(), weights_dtype)
-        self.resolved.log()
-        if self.resolved.matmul_backend == "cpu":
-            model = model.pack_for_cpu(self.config.quantization, cpu_matmul.onednn_rows(
-                self.config, model_config, self.resolved.buckets.token_buckets()))
-        self.adapters = None
-        if self.config.enable_lora:
-            if mesh is not None:
-                raise ValueError("LoRA adapters run on one device: enable_lora needs tensor_parallel_size 1")
-            if self.resolved.num_scheduler_steps > 1:
-                raise ValueError("multi-step decode does not run LoRA adapters yet: enable_lora needs "
-                                 "num_scheduler_steps 1")
-            self.adapters = AdapterSlots(model_config, self.config.max_loras, self.config.max_lora_rank,
-                                         self.config.max_cpu_loras or self.config.max_loras, weights_dtype)
-        self.runner = ModelRunner(model, model_config, self.resolved, mesh,
-                                  max_decode_steps=self.resolved.num_scheduler_steps, adapters=self.adapters)
-        self.blocks = BlockManager(self.resolved.num_blocks, self.resolved.block_size,
-                                   self.config.enable_prefix_caching)
-        # The C++ matmuls compute a step's real tokens only (models/llama.py), so its padding costs
-        # little, and a prompt chunk cut to fill its bucket would only add a step.
-        padding_costs = self.resolved.matmul_backend != "cpu"
-        self.scheduler = Scheduler(self.config, self.blocks, swapper=self.runner,
-                                   token_buckets=tuple(self.resolved.buckets.token_buckets()) if padding_costs else (),
-                                   max_model_len=self.resolved.max_model_len, adapters=self.adapters,
-                                   kv_groups=self.resolved.kv_groups)
         self._in_flight: _InFlight | None = None  # the step dispatched and not yet read (async scheduling)
-        spec = self.config.speculative_config
-        if spec is not None and self.scheduler.windows is not None:
-            # A verify step's rejected blocks are given back from block_ids alone (speculator.settle).
-            raise ValueError("speculative decoding does not support KV kept in several groups (a model with "
-                             "sliding-window layers, Gemma 2 and 3) yet: add disable_hybrid_kv_cache_manager=True")
-        self.speculator = spec and Speculator(spec, self.resolved.max_model_len, self.resolved.buckets.num_head_rows,
-                                              self.resolved.block_size)
-        self.runner.speculative = self.speculator is not None
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
-        self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, model_config)  # for constrained requests
+        self.gate = structured_output.GrammarGate(self.scheduler, tokenizer, self.model_config)  # for constrained requests
         self._stops = StopRules(self.eos_token_ids, self.resolved.max_model_len, self.gate.refusal)
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._seeds = itertools.count(self.config.seed * 1_000_003)
-        self.peak_blocks_in_use = 0
-        self.peak_slot_fill = 0.0
-        self.num_batched_tokens = 0
+        self.peak_blocks_in_use, self.peak_slot_fill, self.num_batched_tokens = 0, 0.0, 0  # engine_stats.py
 
     @classmethod
     def from_pretrained(cls, model: str = models.DEFAULT_MODEL, config: EngineConfig | None = None,
@@ -170,15 +116,10 @@ class LLMEngine:
         # A request with n samples reserves n consecutive sequence ids for its forks.
         for _ in range(params.n - 1):
             next(self._seq_ids)
-        # Beams ask the sampler for their 2n best proposals; n samples fork once the prompt is computed.
-        seq_params = dataclasses.replace(params, logprobs=2 * params.n) if params.use_beam_search else params
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        seq = Sequence(seq_id=seq_id, request_id=request_id, token_ids=list(token_ids),
-                       num_prompt_tokens=len(token_ids), params=seq_params, seed=seed, arrival_time=arrival_time,
-                       priority=priority, forks=1 if params.use_beam_search else params.n, lora=lora_request)
-        self._requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
-                                             list(token_ids), params, [seq], arrival_time, self.tokenizer)
-        self.gate.add(seq)
+        request = self._requests[request_id] = new_request(
+            request_id, prompt, token_ids, params, seq_id=seq_id, seed=seed, priority=priority, lora=lora_request,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time, tokenizer=self.tokenizer)
+        self.gate.add(request.seqs[0])
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -202,18 +143,16 @@ class LLMEngine:
         """Schedule, run the model once, sample; outputs for the requests that advanced (each as its
         SamplingParams.output_kind asks: a FINAL_ONLY request has one, when it finishes).
 
-        Under asynchronous scheduling (EngineConfig.async_scheduling) the engine runs one step ahead:
-        it dispatches the next model call before it reads the previous one's samples, so the host's
-        work happens while the device computes. A sequence whose token is still on the device is
-        scheduled with a placeholder the device fills in (batch.py); if that token ends it, the row
-        computed after it is dropped. While a constrained or beam-search sequence runs, the previous
-        samples are read first: masks and beams need the tokens.
+        Under asynchronous scheduling (EngineConfig.async_scheduling) the engine runs one step ahead: it
+        dispatches the next model call before it reads the previous one's samples, so the host works while
+        the device computes. A sequence whose token is still on the device is scheduled with a placeholder
+        the device fills in (batch.py); a row computed after a token that ended it is dropped. Masks,
+        beams and drafts need the tokens: while such sequences run, the previous samples are read first.
 
-        If anything in a step fails (a bug, an input no check caught), step() does not raise: the
-        error is logged, and the requests in the step end at once with their blocks freed, each with a
-        finished output whose completions have finish_reason "error" and RequestOutput.error set.
-        The requests in the step are those it scheduled or read samples for or, when scheduling itself
-        failed, all that were running. The others go on, computed again if the KV cache was lost.
+        If anything in a step fails (a bug, an input no check caught), step() does not raise: the error is
+        logged, and the requests in the step (those it scheduled or read samples for; all that ran when
+        scheduling itself failed) end at once, blocks freed, with finish_reason "error" and
+        RequestOutput.error set. The others go on, computed again if the KV cache was lost.
         """
         refused = [out for seq, e in self.gate.admit() for out in self._fail([seq.request_id], self._requests, e)]
         requests = dict(self._requests)  # as they stood before the step, in case it fails
@@ -226,7 +165,9 @@ class LLMEngine:
                 outputs, previous = self._read(previous), None
             if self.speculator is not None:
                 self.speculator.propose(self.scheduler.running)
-            out = self.scheduler.schedule(self._decode_steps())
+            out = self.scheduler.schedule(multi_step.num_steps(
+                self.scheduler.running, self.scheduler.waiting and len(self.scheduler.running) < self.config.max_num_seqs,
+                self.resolved.num_scheduler_steps))
             launched = self._launch(out, start)
             self.blocks.commit()
             if previous is not None:
@@ -253,22 +194,6 @@ class LLMEngine:
         if self.speculator is not None and self.speculator.active(self.scheduler.running):
             return True
         return any(s.guide is not None or s.params.use_beam_search for s in self.scheduler.running)
-
-    def _decode_steps(self) -> int:
-        """Decode steps the next dispatch may run (multi_step.py): num_scheduler_steps while every running
-        sequence decodes and no prompt could be admitted, and no token changes what the next one's
-        sampler is given (a grammar's mask, beams, a penalty's history, a min_tokens ban)."""
-        most = self.resolved.num_scheduler_steps
-        scheduler = self.scheduler
-        if most == 1 or (scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs):
-            return 1
-        for seq in scheduler.running:
-            p = seq.params
-            if (seq.guide is not None or p.use_beam_search or p.uses_penalties or seq.forks > 1
-                    or seq.num_output_tokens + seq.num_pending < p.min_tokens
-                    or seq.num_computed_tokens + 1 != seq.num_tokens):
-                return 1
-        return most
 
     def _fail(self, request_ids: list[str], requests: dict[str, Request], error: Exception) -> list[RequestOutput]:
         """End the given requests with an error, and leave the engine fit to serve the others."""
@@ -340,7 +265,10 @@ class LLMEngine:
                 continue
             request = touched[seq.request_id] = self._requests[seq.request_id]
             if accepted is not None:
-                self._read_verified(request, seq, sampled, accepted, row, num_drafts, now)
+                n, reason = self.speculator.read(request, seq, sampled, accepted, row, num_drafts, now, self._stops)
+                if reason is not None:
+                    self._finish(seq, reason, now)
+                self.speculator.settle(seq, num_drafts, n, self.blocks)
             elif request.params.use_beam_search:
                 width = 2 * request.params.n
                 seq.beam_candidates = list(zip(sampled.top_ids[0, row, :width].tolist(),
@@ -349,9 +277,7 @@ class LLMEngine:
                     seq.first_token_time = now
             elif (reason := output_processor.append_tokens(request, seq, sampled, row, count, now,
                                                            self._stops)) is not None:
-                seq.finish_reason, seq.stop_reason = reason
-                seq.finish_time = now
-                self.scheduler.finish(seq)
+                self._finish(seq, reason, now)
         outputs = []
         for request in touched.values():
             if request.params.use_beam_search and all(b.beam_candidates is not None for b in request.seqs):
@@ -365,18 +291,10 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _read_verified(self, request: Request, seq: Sequence, sampled: SamplerOutput, accepted, row: int,
-                       num_drafts: int, now: float) -> None:
-        """Append a sequence's tokens from a step with drafts: those of its accepted drafts' rows and
-        the row after (the target's own token, or the bonus), up to a stop; then take back the rest."""
-        n = num_accepted(accepted, row, num_drafts)
-        # Its rows as consecutive steps of one row, as a multi-step dispatch's samples are laid out.
-        rows = jax.tree.map(lambda x: x[row : row + n + 1, None], sampled)
-        if (reason := output_processor.append_tokens(request, seq, rows, 0, n + 1, now, self._stops)) is not None:
-            seq.finish_reason, seq.stop_reason = reason
-            seq.finish_time = now
-            self.scheduler.finish(seq)
-        self.speculator.settle(seq, num_drafts, n, self.blocks)
+    def _finish(self, seq: Sequence, reason: tuple, now: float) -> None:
+        seq.finish_reason, seq.stop_reason = reason
+        seq.finish_time = now
+        self.scheduler.finish(seq)
 
     def stats(self) -> EngineStats:
         return engine_stats.snapshot(self)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from models import rope
 from paged_jax.core import packing, sampling, sampling_tensors
 from paged_jax.core.batch import StepInput
+from paged_jax.core.sequence import Sequence
 
 
 @jax.tree_util.register_dataclass
@@ -94,3 +95,18 @@ def decode_steps(graph, weights: tuple[jax.Array, ...], kv_cache, packed: jax.Ar
     start = (jnp.int32(0), kv_cache, ids, previous[:rows], jnp.zeros(rows, bool), outputs)
     _, kv_cache, _, last, _, outputs = jax.lax.while_loop(more, body, start)
     return outputs, previous.at[:rows].set(last), kv_cache
+
+
+def num_steps(running: list[Sequence], may_admit: bool, most: int) -> int:
+    """Decode steps the next dispatch may run: `most` (num_scheduler_steps) while every running sequence
+    decodes and no prompt could be admitted (may_admit), and no token changes what the next one's sampler
+    is given (a grammar's mask, beams, a penalty's history, a min_tokens ban); else 1."""
+    if most == 1 or may_admit:
+        return 1
+    for seq in running:
+        p = seq.params
+        if (seq.guide is not None or p.use_beam_search or p.uses_penalties or seq.forks > 1
+                or seq.num_output_tokens + seq.num_pending < p.min_tokens
+                or seq.num_computed_tokens + 1 != seq.num_tokens):
+            return 1
+    return most

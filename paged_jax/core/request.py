@@ -43,3 +43,16 @@ class Request:
         if self.params.use_beam_search:
             return all(beam.is_finished for beam in self.seqs)
         return len(self.seqs) == self.params.n and all(s.finish_reason is not None for s in self.seqs)
+
+
+def new_request(request_id: str, prompt: str | list[int], token_ids: list[int], params: SamplingParams, *,
+                seq_id: int, seed: int, priority: int, lora, arrival_time: float, tokenizer) -> Request:
+    """A request and its first sequence (seq_id; a request with n samples forks ids seq_id + 1 .. + n - 1
+    once its prompt is computed). lora: its LoRARequest or None."""
+    # Beams ask the sampler for their 2n best proposals.
+    seq_params = dataclasses.replace(params, logprobs=2 * params.n) if params.use_beam_search else params
+    seq = Sequence(seq_id=seq_id, request_id=request_id, token_ids=list(token_ids),
+                   num_prompt_tokens=len(token_ids), params=seq_params, seed=seed, arrival_time=arrival_time,
+                   priority=priority, forks=1 if params.use_beam_search else params.n, lora=lora)
+    return Request(request_id, prompt if isinstance(prompt, str) else None, list(token_ids), params, [seq],
+                   arrival_time, tokenizer)

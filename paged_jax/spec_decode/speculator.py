@@ -14,12 +14,15 @@ Steps with drafts run synchronously: the proposer needs every sequence's tokens 
 
 import dataclasses
 
+import jax
 import numpy as np
 
+from paged_jax.core import output_processor
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.core.sequence import Sequence, Status
 from paged_jax.spec_decode.config import SpeculativeConfig
 from paged_jax.spec_decode.ngram import propose_ngram
+from paged_jax.spec_decode.rejection import num_accepted
 from paged_jax.spec_decode.suffix import SuffixOptions, SuffixProposer
 
 
@@ -141,6 +144,17 @@ class Speculator:
         tensors = runner.inputs.sampling(params, seeds, prompt_ids, output_ids, guides)
         rows = tensors.temperature.shape[0]
         return step_input, tensors, np.pad(np.asarray(drafts, np.int32), (0, rows - len(drafts)), constant_values=-1)
+
+    @staticmethod
+    def read(request, seq: Sequence, sampled, accepted, row: int, num_drafts: int, now: float, stops):
+        """Append seq's tokens from a step with drafts (rows row .. row + num_drafts of sampled, a
+        SamplerOutput on the host; accepted as rejection.py gives it): its accepted drafts' rows and the
+        row after (the target's own token, or the bonus), up to a stop. (accepted drafts, finish reason
+        or None), as output_processor.append_tokens gives it."""
+        n = num_accepted(accepted, row, num_drafts)
+        # Its rows as consecutive steps of one row, as a multi-step dispatch's samples are laid out.
+        rows = jax.tree.map(lambda x: x[row : row + n + 1, None], sampled)
+        return n, output_processor.append_tokens(request, seq, rows, 0, n + 1, now, stops)
 
     def settle(self, seq: Sequence, num_drafts: int, num_accepted: int, blocks) -> None:
         """After seq's verified tokens are appended: count them, take its computed length back to
