@@ -42,6 +42,11 @@ class AdapterSlots:
         if request.lora_int_id in self._host:
             self._host.move_to_end(request.lora_int_id)
             return
+        self.keep(request.lora_int_id, self.read(request))
+
+    def read(self, request: LoRARequest) -> lora.LoRAWeights:
+        """request's adapter from its folder as one slot's host arrays (lora.host_slot), or RequestError.
+        Reads nothing of this object's state that changes: a server calls it off the engine's thread."""
         try:
             adapter = peft_adapter.read(request.lora_path, self.model_config)
         except (OSError, ValueError) as error:
@@ -49,10 +54,24 @@ class AdapterSlots:
         if adapter.rank > self.max_rank:
             raise RequestError(f"LoRA adapter {request.lora_name!r} has rank {adapter.rank}, above max_lora_rank "
                                f"{self.max_rank}", "lora_request")
-        self._host[request.lora_int_id] = lora.host_slot(self.model_config, self.max_rank, self.dtype,
-                                                         adapter.modules, adapter.scale)
+        return lora.host_slot(self.model_config, self.max_rank, self.dtype, adapter.modules, adapter.scale)
+
+    def keep(self, lora_int_id: int, weights: lora.LoRAWeights) -> None:
+        """Hold an adapter's host arrays (read's) as the most recently used, dropping the least beyond
+        max_cpu_loras."""
+        self._host[lora_int_id] = weights
+        self._host.move_to_end(lora_int_id)
         while len(self._host) > self.max_cpu_loras:
             self._host.popitem(last=False)
+
+    def remove(self, lora_int_id: int) -> None:
+        """Forget an adapter (a server's unload): its host copy goes, and its slot, if it has one, is free
+        and the next to be loaded. The caller makes sure no sequence runs with it."""
+        self._host.pop(lora_int_id, None)
+        if lora_int_id in self.held:
+            slot = self.held.index(lora_int_id) + 1
+            self.held[slot - 1] = None
+            self._loads[slot] = 0
 
     def acquire(self, request: LoRARequest, running) -> int:
         """The slot (>= 1) holding request's adapter for a sequence about to run, loaded now if none does;

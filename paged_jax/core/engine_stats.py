@@ -29,6 +29,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # The LoRA adapters (names, sorted) of the running sequences, and of those waiting; empty without LoRA.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 def track_peak(engine, scheduled) -> None:
@@ -62,7 +65,17 @@ def snapshot(engine) -> EngineStats:
         matmul_backend=resolved.matmul.backend,
         matmul_backend_reason=resolved.matmul.reason,
         num_batched_tokens=engine.num_batched_tokens,
+        running_lora_adapters=_names(scheduler.running), waiting_lora_adapters=_names(waiting_seqs(engine)),
         **_spec(engine.speculator))
+
+
+def waiting_seqs(engine) -> list:
+    """The engine's sequences waiting for admission: queued, or waiting for their grammar."""
+    return [*engine.scheduler.waiting, *engine.gate.seqs]
+
+
+def _names(seqs) -> tuple[str, ...]:
+    return tuple(sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None}))
 
 
 def _spec(speculator) -> dict:

@@ -40,7 +40,7 @@ def scheduler_snapshot(scheduler, blocks) -> dict:
       num_preemptions: int, so far
       seqs: list of dicts, running ones first (in the scheduler's order), then waiting ones (queue order):
         seq_id, request_id, status ("running", "waiting", or "swapped": waiting, its KV on the host),
-        priority, arrival_time (time.monotonic()), num_prompt_tokens, num_output_tokens,
+        priority, lora_name (its LoRA adapter's, or None), arrival_time (time.monotonic()), num_prompt_tokens, num_output_tokens,
         num_computed_tokens (tokens whose KV the blocks hold), num_preemptions,
         block_ids int32 [blocks]: the page table, logical block i -> physical block block_ids[i]
         (the last one partly filled), num_swapped_blocks: blocks of KV kept on the host,
@@ -59,6 +59,7 @@ def _sequence(seq, block_size: int) -> dict:
     swapped = seq.swapped_kv is not None
     status = "running" if seq.status is Status.RUNNING else "swapped" if swapped else "waiting"
     return dict(seq_id=seq.seq_id, request_id=seq.request_id, status=status, priority=seq.priority,
+                lora_name=None if seq.lora is None else seq.lora.lora_name,
                 arrival_time=seq.arrival_time, num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens, num_computed_tokens=seq.num_computed_tokens,
                 num_preemptions=seq.num_preemptions, block_ids=np.array(seq.block_ids, np.int32),

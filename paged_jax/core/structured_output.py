@@ -163,6 +163,11 @@ class GrammarGate:
         """The requests waiting for their grammar."""
         return {seq.request_id for _, seq in self._waiting}
 
+    @property
+    def seqs(self) -> list[Seq]:
+        """The sequences waiting for their grammar, in arrival order."""
+        return [seq for _, seq in self._waiting]
+
     def admit(self) -> list[tuple[Seq, BaseException]]:
         """Queue the sequences whose grammar is ready, each with its guide; finish those whose grammar
         failed to compile and return them with the error, in arrival order. Aborted sequences are

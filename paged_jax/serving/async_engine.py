@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from models import DEFAULT_MODEL
 from paged_jax.core.engine import LLMEngine
+from paged_jax.core.lora_request import LoRARequest
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.validation import EngineLimits
@@ -72,13 +73,14 @@ class AsyncLLMEngine:
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, *, timeout: float | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, lora_request: LoRARequest | None = None) -> RequestStream:
         """Hand a request to the engine; returns its stream once the engine has accepted it.
 
         Raises what LLMEngine.add_request raises for a bad request (RequestError), QueueFullError
         when the waiting queue is full, EngineDeadError when the loop has stopped. timeout: seconds from
         now until the stream ends the request with finish_reason "timeout". priority: as
-        LLMEngine.add_request takes it (scheduling_policy "priority": lower runs first).
+        LLMEngine.add_request takes it (scheduling_policy "priority": lower runs first). lora_request:
+        the LoRA adapter it runs with (None: the base model).
         """
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
@@ -87,7 +89,7 @@ class AsyncLLMEngine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         stream = RequestStream(self, request_id, params, () if isinstance(prompt, str) else prompt, loop,
                                None if timeout is None else loop.time() + timeout)
-        self._loop.add(Add(request_id, prompt, params, stream, priority))
+        self._loop.add(Add(request_id, prompt, params, stream, priority, lora_request))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -97,9 +99,10 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, *, timeout: float | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; leaving the loop early (or aclose()) aborts it."""
-        stream = await self.add_request(prompt, params, request_id, timeout=timeout, priority=priority)
+        stream = await self.add_request(prompt, params, request_id, timeout=timeout, priority=priority,
+                                        lora_request=lora_request)
         try:
             async for output in stream:
                 yield output

@@ -2,6 +2,7 @@
 
     python -m paged_jax.serve --model smollm2-135m          # http://127.0.0.1:8000/v1
     paged-jax-serve --model smollm2-135m --port 8001 --api-key KEY --max-num-queued-reqs 64
+    paged-jax-serve --model smollm2-135m --enable-lora --max-loras 4 --lora-modules sql=/adapters/sql chat=/adapters/chat
 
 Engine options take vLLM's flag names (--max-num-seqs, --block-size, --no-enable-prefix-caching, ...).
 SIGINT or SIGTERM stops accepting connections, lets running requests finish for --shutdown-timeout
@@ -25,6 +26,7 @@ from paged_jax.core import distributed
 from paged_jax.core.config import EngineConfig
 from paged_jax.core.engine import LLMEngine
 from paged_jax.serving.kv_events import KVEventsConfig
+from paged_jax.serving.lora_modules import RUNTIME_UPDATING_ENV, LoRAModulePath
 from paged_jax.spec_decode.config import SpeculativeConfig
 from paged_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
 from paged_jax.serving.tool_parsers import PARSERS
@@ -80,12 +82,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "llama3_json (Llama 3.1's JSON)")
     p.add_argument("--kv-events-config", help="vLLM's KV-cache events, as JSON: {\"enable_kv_cache_events\": true, "
                    "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"\", \"replay_endpoint\": ...}")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve under these names, which requests give as their "
+                   "model (with --enable-lora); each NAME=PATH or vLLM's JSON "
+                   "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help=f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as ${RUNTIME_UPDATING_ENV}"
+                   "=true does, vLLM's switch)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     _add_engine_flags(p.add_argument_group("engine options (vLLM's names)"))
     distributed.add_arguments(p)
     args = p.parse_args(argv)
     try:
+        lora_modules = tuple(LoRAModulePath.parse(text) for text in args.lora_modules)
+        if lora_modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         args.engine_config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
         args.server_config = ServerConfig(
             served_model_name=args.served_model_name or args.model, model=args.model, api_key=args.api_key,
@@ -94,7 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, max_queue_time=args.max_queue_time,
             breaker_threshold=args.breaker_threshold, enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
-            kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None)
+            kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
+            lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     except ValueError as e:
         p.error(str(e))
     return args

@@ -150,7 +150,7 @@ def _pool(snap: dict, now: float) -> dict:
         "state": state.tolist(), "refs": refs.tolist(), "owner": owner.tolist(), "used": num_used_blocks(state),
         "age_ms": round(1000 * (now - snap["time"]), 1), "snapshot_ms": round(1000 * snap["cost_s"], 3),
         "seqs": [{"seq_id": s["seq_id"], "request_id": s["request_id"], "status": s["status"],
-                  "priority": s["priority"], "age_s": round(now - s["arrival_time"], 2),
+                  "priority": s["priority"], "adapter": s["lora_name"], "age_s": round(now - s["arrival_time"], 2),
                   "prompt_tokens": s["num_prompt_tokens"], "output_tokens": s["num_output_tokens"],
                   "computed_tokens": s["num_computed_tokens"], "preemptions": s["num_preemptions"],
                   "block_ids": s["block_ids"].tolist(), "swapped_blocks": s["num_swapped_blocks"]}

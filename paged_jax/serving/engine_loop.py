@@ -152,7 +152,7 @@ class EngineLoop:
         stream = command.stream
         try:
             self.engine.add_request(command.prompt, engine_params(command.params), command.request_id,
-                                    command.priority, stream.arrival_time)
+                                    command.priority, stream.arrival_time, command.lora_request)
         except Exception as e:  # the request's own fault (a bad prompt, a tokenizer error): it fails alone
             error = e
         else:

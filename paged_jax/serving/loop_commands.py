@@ -5,6 +5,7 @@ import dataclasses
 from collections.abc import Callable
 
 from paged_jax.core.engine import LLMEngine
+from paged_jax.core.lora_request import LoRARequest
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.serving.request_stream import RequestStream
 
@@ -32,6 +33,7 @@ class Add:
     params: SamplingParams
     stream: RequestStream
     priority: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,8 +71,9 @@ class _Metrics:
 
 class PrometheusMetrics(StatLogger):
     def __init__(self, registry: CollectorRegistry, model_name: str, *, max_model_len: int,
-                 cache_config: dict[str, str], attention_backend: str):
-        """cache_config: labels for the info metric (block size, block count, ...)."""
+                 cache_config: dict[str, str], attention_backend: str, max_loras: int | None = None):
+        """cache_config: labels for the info metric (block size, block count, ...). max_loras: with LoRA
+        enabled, the adapters a step may mix (vLLM's lora_requests_info is exported then)."""
         # A "_created" twin of every counter and histogram is clutter nobody reads (vLLM drops them too).
         disable_created_metrics()
         labels = {"model_name": model_name}
@@ -157,6 +158,15 @@ class PrometheusMetrics(StatLogger):
                                        buckets=length_buckets)
         self.request_n = make(Histogram, "request_params_n", "The n requests asked for.", buckets=[1, 2, 5, 10, 20])
 
+        # vLLM's LoRA gauge, under its name and labels alone (no model_name: routers such as the Gateway API
+        # Inference Extension read it so): the adapters of running and of waiting requests, comma-joined,
+        # and max_lora; its value is when it was last set (seconds since the epoch), so the newest series
+        # is the current one.
+        self._max_loras = None if max_loras is None else str(max_loras)
+        self.lora_info = None if max_loras is None else Gauge(
+            vllm_metrics.PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=registry)
+
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         self.running.set(scheduler.num_running)
         self.waiting.set(scheduler.num_waiting)
@@ -171,6 +181,10 @@ class PrometheusMetrics(StatLogger):
             self.spec_per_position.labels(position=str(position)).inc(
                 total - (before[position] if position < len(before) else 0))
         self._previous = scheduler
+        if self.lora_info is not None:
+            self.lora_info.labels(max_lora=self._max_loras,
+                                  waiting_lora_adapters=",".join(scheduler.waiting_lora_adapters),
+                                  running_lora_adapters=",".join(scheduler.running_lora_adapters)).set_to_current_time()
 
         if iteration.step_time is not None:
             self.step_time.observe(iteration.step_time)

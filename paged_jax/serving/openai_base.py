@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from paged_jax.core.errors import RequestError
+from paged_jax.core.lora_request import LoRARequest
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from paged_jax.core.validation import check_prompt_length
 from paged_jax.serving.async_engine import AsyncLLMEngine, RequestStream
+from paged_jax.serving.lora_modules import LoRAModules
 from paged_jax.serving.openai_errors import APIError, bad_request, refused
 from paged_jax.serving.openai_logprobs import LogprobFormatter
 from paged_jax.serving.openai_protocol import PromptTokenUsageInfo, SamplingRequest, UsageInfo
@@ -55,16 +57,16 @@ def num_tokens(outputs: Sequence[RequestOutput]) -> int:
 
 
 class OpenAIBase:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, *, max_tokens_cap: int | None = None,
+    def __init__(self, engine: AsyncLLMEngine, models: LoRAModules, *, max_tokens_cap: int | None = None,
                  request_timeout: float | None = None, guard: "SloGuard | None" = None,
                  auto_tool_parser: str | None = None):
-        """max_tokens_cap: the most tokens one request may ask for. request_timeout: seconds a request
+        """models: the base model's name and the LoRA adapters a request may name. max_tokens_cap: the most tokens one request may ask for. request_timeout: seconds a request
         may take at most (each request may ask for less). guard: latency objectives (slo.py).
         auto_tool_parser: the tool_parsers.PARSERS name tool_choice "auto" reads calls with (None:
         "auto" is refused)."""
         self.engine = engine
         self.guard = guard
-        self.model_name = model_name
+        self.models = models
         self.max_tokens_cap = max_tokens_cap
         self.request_timeout = request_timeout
         self.tokenizer = engine.tokenizer
@@ -72,10 +74,11 @@ class OpenAIBase:
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.auto_tool_parser = auto_tool_parser
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found", cause="not_found")
+    def _check_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """The name a response gives as its model, and the LoRA adapter `name` runs (None: the base model);
+        vLLM's 404 for a name this server does not serve."""
+        lora = self.models.resolve(name)
+        return (self.models.base_name if lora is None else lora.lora_name), lora
 
     def _encode(self, text: str, **options) -> list[int]:
         if self.tokenizer is None:
@@ -146,8 +149,9 @@ class OpenAIBase:
         return request.request_timeout
 
     async def _submit(self, response_id: str, prompts: list[Prompt], params: list[SamplingParams],
-                      request: SamplingRequest) -> list[RequestStream]:
-        """One engine request per prompt; if one is refused, the others are aborted."""
+                      request: SamplingRequest, lora: LoRARequest | None = None) -> list[RequestStream]:
+        """One engine request per prompt, each with the LoRA adapter `lora`; if one is refused, the others
+        are aborted."""
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options needs stream set to true", "stream_options")
         timeout = self._timeout(request)
@@ -156,7 +160,7 @@ class OpenAIBase:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 stream = await self.engine.add_request(prompt.token_ids, p, f"{response_id}-{i}", timeout=timeout,
-                                                       priority=request.priority)
+                                                       priority=request.priority, lora_request=lora)
                 streams.append(stream if admission is None else admission.watch(stream, len(prompt.token_ids)))
         except BaseException as e:
             for stream in streams:

@@ -21,7 +21,7 @@ from paged_jax.serving.tool_parsers import ToolCallStream
 
 class ChatServing(OpenAIBase):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
-        self._check_model(request.model)
+        model, lora = self._check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         constraint = await self._constraint(request)
@@ -35,9 +35,9 @@ class ChatServing(OpenAIBase):
         params = self._sampling_params(request, len(prompt.token_ids), max_tokens, name, logprobs,
                                        constraint.structured_outputs)
         response_id = random_id("chatcmpl")
-        streams = await self._submit(response_id, [prompt], [params], request)
+        streams = await self._submit(response_id, [prompt], [params], request, lora)
         if request.stream:
-            return EventStream(ending(self._chat_events(response_id, request, prompt, streams[0], constraint)),
+            return EventStream(ending(self._chat_events(response_id, model, request, prompt, streams[0], constraint)),
                                streams)
         [final] = await finals(streams)
         choices = []
@@ -50,15 +50,15 @@ class ChatServing(OpenAIBase):
                                                         tool_calls=[tool_call_out(t) for t in calls]),
                 logprobs=self.logprobs.chat(c.token_ids, c.logprobs, logprobs) if request.logprobs else None,
                 finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=response_id, model=model, choices=choices,
                                       usage=usage([prompt], num_tokens([final]), cached_tokens([final])))
 
-    async def _chat_events(self, response_id: str, request: ChatCompletionRequest, prompt: Prompt,
+    async def _chat_events(self, response_id: str, model: str, request: ChatCompletionRequest, prompt: Prompt,
                            stream: RequestStream, constraint: RequestConstraint) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices, usage_info=None) -> str:
-            return sse(ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=choices,
+            return sse(ChatCompletionChunk(id=response_id, created=created, model=model, choices=choices,
                                            usage=usage_info))
 
         # The role comes first, as OpenAI sends it, before any token exists.

@@ -15,7 +15,7 @@ from paged_jax.serving.request_stream import RequestStream
 
 class CompletionServing(OpenAIBase):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | EventStream:
-        self._check_model(request.model)
+        model, lora = self._check_model(request.model)
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request(f"best_of={request.best_of} is not supported: only best_of equal to n "
                               f"(here {request.n}), as nothing is re-ranked", "best_of", code="unsupported_parameter")
@@ -27,9 +27,9 @@ class CompletionServing(OpenAIBase):
         params = [self._sampling_params(request, len(p.token_ids), request.max_tokens, "max_tokens", request.logprobs,
                                         constraint.structured_outputs, default_max_tokens=16) for p in prompts]
         response_id = random_id("cmpl")
-        streams = await self._submit(response_id, prompts, params, request)
+        streams = await self._submit(response_id, prompts, params, request, lora)
         if request.stream:
-            return EventStream(ending(self._completion_events(response_id, request, prompts, streams)), streams)
+            return EventStream(ending(self._completion_events(response_id, model, request, prompts, streams)), streams)
         outputs = await finals(streams)
         choices = []
         for p, final in zip(prompts, outputs):
@@ -39,7 +39,7 @@ class CompletionServing(OpenAIBase):
                             if request.logprobs is not None else None)
                 choices.append(CompletionChoice(index=len(choices), text=text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return CompletionResponse(id=response_id, model=self.model_name, choices=choices,
+        return CompletionResponse(id=response_id, model=model, choices=choices,
                                   usage=usage(prompts, num_tokens(outputs), cached_tokens(outputs)))
 
     def _completion_prompts(self, prompt: str | list) -> list[Prompt]:
@@ -49,7 +49,7 @@ class CompletionServing(OpenAIBase):
             raise bad_request("prompt is empty", "prompt")
         return [Prompt(p, self._encode(p)) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt]
 
-    async def _completion_events(self, response_id: str, request: CompletionRequest, prompts: list[Prompt],
+    async def _completion_events(self, response_id: str, model: str, request: CompletionRequest, prompts: list[Prompt],
                                  streams: list[RequestStream]) -> AsyncIterator[str]:
         """One event per delta of a choice; the first of a choice leads with the prompt under echo."""
         created = int(time.time())
@@ -72,8 +72,8 @@ class CompletionServing(OpenAIBase):
                         text_offsets[index] += sum(map(len, logprobs.tokens))
                     choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                    yield sse(CompletionResponse(id=response_id, created=created, model=self.model_name, choices=[choice]))
+                    yield sse(CompletionResponse(id=response_id, created=created, model=model, choices=[choice]))
         if request.stream_options and request.stream_options.include_usage:
             total = usage(prompts, completion_tokens, cached_tokens(list(latest.values())))
-            yield sse(CompletionResponse(id=response_id, created=created, model=self.model_name, choices=[],
+            yield sse(CompletionResponse(id=response_id, created=created, model=model, choices=[],
                                          usage=total))

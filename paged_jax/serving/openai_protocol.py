@@ -249,6 +249,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "paged-jax"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (its id), as vLLM lists it
     max_model_len: int
 
 
@@ -261,7 +262,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str | int | None = None  # OpenAI's are strings; vLLM's own errors give the HTTP status
 
 
 class ErrorResponse(BaseModel):

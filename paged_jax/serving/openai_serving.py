@@ -16,7 +16,7 @@ __all__ = ["APIError", "EventStream", "OpenAIServing"]
 
 
 class OpenAIServing(CompletionServing, ChatServing):
-    """OpenAIServing(engine, model_name, max_tokens_cap=..., request_timeout=...): see OpenAIBase."""
+    """OpenAIServing(engine, models, max_tokens_cap=..., request_timeout=...): see OpenAIBase."""
 
     def tokenize(self, request) -> TokenizeResponse:
         self._check_model(request.model)

@@ -3,7 +3,8 @@
     app = build_app(LLMEngine.from_pretrained("smollm2-135m"), ServerConfig(served_model_name="smollm2-135m"))
 
 POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health, /ready,
-/metrics, /version, and guardrails.py's /dashboard. The engine loop starts with the app (its lifespan)
+/metrics, /version, and guardrails.py's /dashboard; with LoRA adapters allowed to come and go,
+lora_modules.py's POST /v1/load_lora_adapter and /v1/unload_lora_adapter. The engine loop starts with the app (its lifespan)
 and stops with it; it warms up
 first (core/warmup.py): /health answers 200 while the loop runs (liveness), /ready once the warm-up is
 done (readiness), and requests sent sooner wait for it. Every error answers with OpenAI's error body,
@@ -29,10 +30,11 @@ from paged_jax.serving.dashboard import PATHS as DASHBOARD_PATHS
 from paged_jax.serving.guardrails import add_guardrails
 from paged_jax.core.engine import LLMEngine
 from paged_jax.serving.kv_events import KVEventDrain, KVEventsConfig
+from paged_jax.serving.lora_modules import LoRAModulePath, LoRAModules, add_runtime_routes, runtime_updating_allowed
 from paged_jax.serving.metrics import PrometheusMetrics
 from paged_jax.serving.middleware import ApiKey, BodyLimit
 from paged_jax.serving.openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                               CompletionResponse, ErrorResponse, ModelCard, ModelList, VersionResponse)
+                                               CompletionResponse, ErrorResponse, ModelList, VersionResponse)
 from paged_jax.serving.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                                  TokenizeResponse)
 from paged_jax.serving.openai_serving import APIError, EventStream, OpenAIServing
@@ -66,6 +68,10 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config (kv_events.py)
+    # LoRA adapters served from the start (vLLM's --lora-modules), and whether /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter exist (or the environment's VLLM_ALLOW_RUNTIME_LORA_UPDATING says so).
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self):
         for name in ("max_num_queued_reqs", "request_timeout", "max_tokens_cap", "max_request_bytes", "slo_ttft_ms",
@@ -88,7 +94,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         cache_config={"block_size": str(engine.resolved.block_size), "num_gpu_blocks": str(engine.resolved.num_blocks - 1),
                       "enable_prefix_caching": str(engine.config.enable_prefix_caching),
                       "cache_dtype": engine.resolved.kv_cache_dtype},
-        attention_backend=engine.resolved.attention_backend)
+        attention_backend=engine.resolved.attention_backend,
+        max_loras=engine.config.max_loras if engine.adapters is not None else None)
+    models = LoRAModules(engine, config.served_model_name, config.model or config.served_model_name,
+                         config.lora_modules)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -100,7 +109,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         guardrails.bind(async_engine)
         app.state.engine = async_engine
         app.state.serving = OpenAIServing(
-            async_engine, config.served_model_name, max_tokens_cap=config.max_tokens_cap,
+            async_engine, models, max_tokens_cap=config.max_tokens_cap,
             request_timeout=config.request_timeout, guard=guardrails.guard,
             auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None)
         try:
@@ -148,8 +157,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, dependencies=protected, responses=errors)
     async def list_models():
-        return ModelList(data=[ModelCard(id=config.served_model_name, root=config.model or config.served_model_name,
-                                         max_model_len=engine.resolved.max_model_len)])
+        return ModelList(data=models.cards(engine.resolved.max_model_len))
+
+    if runtime_updating_allowed(config.allow_runtime_lora_updating):
+        add_runtime_routes(app, models, protected, errors)
 
     probe = {200: {"description": "yes (an empty body)"}, 503: {"model": ErrorResponse}}
 

@@ -30,6 +30,9 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    # The LoRA adapters (names) that running requests use, and waiting ones (EngineStats').
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:
@@ -88,7 +91,8 @@ def scheduler_stats(stats: EngineStats, num_queued: int) -> SchedulerStats:
         num_compiles=compiles.count(), num_batched_tokens=stats.num_batched_tokens,
         spec_decode_num_drafts=stats.spec_num_drafts, spec_decode_num_draft_tokens=stats.spec_num_draft_tokens,
         spec_decode_num_accepted_tokens=stats.spec_num_accepted_tokens,
-        spec_decode_accepted_per_position=stats.spec_accepted_per_position)
+        spec_decode_accepted_per_position=stats.spec_accepted_per_position,
+        running_lora_adapters=stats.running_lora_adapters, waiting_lora_adapters=stats.waiting_lora_adapters)
 
 
 @dataclasses.dataclass(eq=False)
