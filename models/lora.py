@@ -4,8 +4,8 @@ projection of a flat batch whose rows may each use a different adapter.
 Slot s in [0, max_loras] names what a row runs with: 0 the base model alone, s >= 1 the adapter loaded
 into slot s. Only slots 1..max_loras are held (slot 0's weights would be zeros), every adapter padded
 with zeros to max_rank (which changes no product), its scale (alpha / r, or alpha / sqrt(r) under
-rsLoRA) folded into B. Loading an adapter is one jitted, donated update of fixed shapes (`load_into`),
-compiled once whatever the adapter.
+rsLoRA) folded into B. Loading an adapter is one jitted, donated update of fixed shapes (`load_into`) of
+every layer at once from a few stacked host arrays (`host_slot`), compiled once whatever the adapter.
 
 The delta follows Punica's BGMV in spirit, every row at once, but without gathering a copy of the
 weights per row (a 512-token prefill would copy them 512 times): each projection's A of every slot is
@@ -142,43 +142,56 @@ def empty(config: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32)
                              for _ in range(config.num_layers)))
 
 
-def host_slot(config: ModelConfig, max_rank: int, dtype, modules: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]],
-              scale: float) -> LoRAWeights:
-    """One adapter as one slot's worth of host arrays (LoRAWeights with max_loras 1, without the slot axis),
-    for `load_into`.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostAdapter:
+    """One adapter on the host, what `load_into` takes: every layer's tensors stacked, as PEFT stores them
+    (torch's Linear layout, unscaled), zero-padded to max_rank; a module not given is zeros.
 
-    modules: (layer, Hugging Face module name) -> (A [r, in], B [out, r]) as PEFT stores them (torch's
-    Linear layout), r <= max_rank; a module not given gets zeros. scale multiplies B (in float32, before
-    the cast to dtype).
+    a: per GROUPS name, float32 [num_layers, parts, max_rank, in], each part's A.
+    b: per GROUPS name, one float32 [num_layers, out_p, max_rank] per part, each part's B.
+    scale: float32 [], what B is multiplied by.
     """
-    dtype = np.dtype(dtype)
-    layers = []
-    for i in range(config.num_layers):
-        projections = {}
-        for group, names in GROUPS.items():
-            projection = _projection(config, group, lambda shape: np.zeros(shape, dtype), (), max_rank)
-            for p, name in enumerate(names):
-                if (i, name) in modules:
-                    a, b = modules[i, name]
-                    r = a.shape[0]
-                    projection.a[:, p, :r] = a.T
-                    projection.b[p][:r] = (b.astype(np.float32) * np.float32(scale)).T
-            projections[group] = projection
-        layers.append(projections)
-    return LoRAWeights(tuple(layers))
+
+    a: dict[str, np.ndarray]
+    b: dict[str, tuple[np.ndarray, ...]]
+    scale: np.ndarray
+
+
+# Each Hugging Face module's GROUPS name and its part in it.
+_PLACES = {name: (group, p) for group, names in GROUPS.items() for p, name in enumerate(names)}
+
+
+def host_slot(config: ModelConfig, max_rank: int, modules: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]],
+              scale: float) -> HostAdapter:
+    """One adapter's host arrays for `load_into`. modules: (layer, Hugging Face module name) -> (A [r, in],
+    B [out, r]) as PEFT stores them, r <= max_rank. Only copies of whole rows: the transposes, the scale
+    and the cast to the slots' dtype are load_into's, on the device."""
+    layers = config.num_layers
+    a = {g: np.zeros((layers, len(names), max_rank, module_shape(config, names[0])[0]), np.float32)
+         for g, names in GROUPS.items()}
+    b = {g: tuple(np.zeros((layers, module_shape(config, n)[1], max_rank), np.float32) for n in names)
+         for g, names in GROUPS.items()}
+    for (i, name), (lora_a, lora_b) in modules.items():
+        group, p = _PLACES[name]
+        r = lora_a.shape[0]
+        a[group][i, p, :r] = lora_a
+        b[group][p][i, :, :r] = lora_b
+    return HostAdapter(a, b, np.float32(scale))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def load_into(weights: LoRAWeights, slot: jax.Array, adapter: LoRAWeights) -> LoRAWeights:
-    """weights with slot `slot` (int32 scalar, 1..max_loras) holding `adapter` (host_slot's arrays; zeros
-    free the slot). weights is donated: the update is in place. One program for every adapter and slot."""
+def load_into(weights: LoRAWeights, slot: jax.Array, adapter: HostAdapter) -> LoRAWeights:
+    """weights with slot `slot` (int32 scalar, 1..max_loras) holding `adapter` (host_slot's; zeros free the
+    slot). weights is donated: the update is in place. One program for every adapter and slot. B is scaled
+    in float32 before the cast to the slots' dtype."""
     index = slot - 1
 
-    def put(group: LoRAProjection, new: LoRAProjection) -> LoRAProjection:
-        a = jax.lax.dynamic_update_index_in_dim(group.a, new.a.astype(group.a.dtype), index, axis=1)
-        b = tuple(jax.lax.dynamic_update_index_in_dim(old, part.astype(old.dtype), index, axis=0)
-                  for old, part in zip(group.b, new.b, strict=True))
-        return LoRAProjection(a, b)
+    def put(group: str, old: LoRAProjection, i: int) -> LoRAProjection:
+        a = jnp.transpose(adapter.a[group][i], (2, 0, 1))  # [in, parts, max_rank]
+        new_a = jax.lax.dynamic_update_index_in_dim(old.a, a.astype(old.a.dtype), index, axis=1)
+        new_b = tuple(jax.lax.dynamic_update_index_in_dim(ob, (part[i] * adapter.scale).T.astype(ob.dtype), index, axis=0)
+                      for ob, part in zip(old.b, adapter.b[group], strict=True))
+        return LoRAProjection(new_a, new_b)
 
-    return LoRAWeights(tuple({g: put(layer[g], new[g]) for g in GROUPS}
-                             for layer, new in zip(weights.layers, adapter.layers, strict=True)))
+    return LoRAWeights(tuple({g: put(g, layer[g], i) for g in GROUPS} for i, layer in enumerate(weights.layers)))

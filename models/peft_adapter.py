@@ -8,6 +8,7 @@ saved whole, per-module ranks, base weights changed by the initialization, ...) 
 ValueError naming the field or tensor; nothing is silently dropped.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -84,8 +85,9 @@ def read(path: str | Path, base: ModelConfig) -> PeftAdapter:
         raise ValueError(f"{config_file}: r ({rank!r}) must be a positive integer and lora_alpha ({alpha!r}) a number")
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     # numpy's reader, ten times faster here than going through JAX arrays (SmolLM2 at rank 16: 25 against
-    # 200 ms), takes every dtype but bfloat16, which JAX's reads.
-    with safe_open(weights_file, framework="numpy") as f, safe_open(weights_file, framework="flax") as bf16:
+    # 200 ms), takes every dtype but bfloat16, which JAX's reads (opened only then: a few ms).
+    with contextlib.ExitStack() as files:
+        f, bf16 = files.enter_context(safe_open(weights_file, framework="numpy")), None
         for name in f.keys():
             match = _TENSOR.fullmatch(name)
             if match is None or match[2] not in TARGETS:
@@ -96,7 +98,9 @@ def read(path: str | Path, base: ModelConfig) -> PeftAdapter:
                 raise ValueError(f"{weights_file}: tensor {name} is for layer {layer}; the model has {base.num_layers}")
             fan_in, fan_out = module_shape(base, module)
             want = (rank, fan_in) if half == "A" else (fan_out, rank)
-            reader = bf16 if f.get_slice(name).get_dtype() == "BF16" else f
+            reader = f
+            if f.get_slice(name).get_dtype() == "BF16":
+                bf16 = reader = bf16 or files.enter_context(safe_open(weights_file, framework="flax"))
             array = np.asarray(reader.get_tensor(name), np.float32)
             if array.shape != want:
                 raise ValueError(f"{weights_file}: tensor {name} has shape {array.shape}; rank {rank} and the "

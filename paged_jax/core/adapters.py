@@ -33,7 +33,7 @@ class AdapterSlots:
         self.max_loras = max_loras
         self.held: list[int | None] = [None] * max_loras  # the adapter id in slot s + 1
         self._loads = collections.Counter()  # slot -> when it was last loaded (a load count)
-        self._host: collections.OrderedDict[int, lora.LoRAWeights] = collections.OrderedDict()
+        self._host: collections.OrderedDict[int, lora.HostAdapter] = collections.OrderedDict()
         self.num_loads = 0
 
     def check(self, request: LoRARequest) -> None:
@@ -44,7 +44,7 @@ class AdapterSlots:
             return
         self.keep(request.lora_int_id, self.read(request))
 
-    def read(self, request: LoRARequest) -> lora.LoRAWeights:
+    def read(self, request: LoRARequest) -> lora.HostAdapter:
         """request's adapter from its folder as one slot's host arrays (lora.host_slot), or RequestError.
         Reads nothing of this object's state that changes: a server calls it off the engine's thread."""
         try:
@@ -54,9 +54,9 @@ class AdapterSlots:
         if adapter.rank > self.max_rank:
             raise RequestError(f"LoRA adapter {request.lora_name!r} has rank {adapter.rank}, above max_lora_rank "
                                f"{self.max_rank}", "lora_request")
-        return lora.host_slot(self.model_config, self.max_rank, self.dtype, adapter.modules, adapter.scale)
+        return lora.host_slot(self.model_config, self.max_rank, adapter.modules, adapter.scale)
 
-    def keep(self, lora_int_id: int, weights: lora.LoRAWeights) -> None:
+    def keep(self, lora_int_id: int, weights: lora.HostAdapter) -> None:
         """Hold an adapter's host arrays (read's) as the most recently used, dropping the least beyond
         max_cpu_loras."""
         self._host[lora_int_id] = weights
@@ -93,7 +93,7 @@ class AdapterSlots:
 
     def warm_up(self) -> None:
         """Compile the load (an empty adapter into slot 1, which changes nothing)."""
-        zeros = lora.host_slot(self.model_config, self.max_rank, self.dtype, {}, 1.0)
+        zeros = lora.host_slot(self.model_config, self.max_rank, {}, 1.0)
         self.weights = lora.load_into(self.weights, np.int32(1), zeros)
         self.held[0] = None
 

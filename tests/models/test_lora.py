@@ -44,8 +44,7 @@ def slots_with(config, adapters, order) -> lora.LoRAWeights:
     weights = lora.empty(config, MAX_LORAS, MAX_RANK)
     for slot, name in enumerate(order, start=1):
         read = peft_adapter.read(adapters[name][0], config)
-        weights = lora.load_into(weights, np.int32(slot), lora.host_slot(config, MAX_RANK, jnp.float32, read.modules,
-                                                                        read.scale))
+        weights = lora.load_into(weights, np.int32(slot), lora.host_slot(config, MAX_RANK, read.modules, read.scale))
     return weights
 
 
@@ -108,8 +107,7 @@ def test_loading_compiles_once_and_zeros_free_a_slot(base):
     weights = slots_with(config, adapters, ORDER)
     compiled = lora.load_into._cache_size()
     weights = slots_with(config, adapters, tuple(reversed(ORDER)))
-    zeros = jax.tree.map(lambda x: np.zeros(x.shape[:1] + x.shape[2:] if x.ndim == 4 else x.shape[1:], np.float32),
-                         lora.empty(config, 1, MAX_RANK))
+    zeros = lora.host_slot(config, MAX_RANK, {}, 1.0)
     for slot in range(1, MAX_LORAS + 1):
         weights = lora.load_into(weights, np.int32(slot), zeros)
     assert lora.load_into._cache_size() == compiled
