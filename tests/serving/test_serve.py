@@ -62,6 +62,25 @@ def test_speculative_config_is_json_of_vllm_keys():
     assert parse_args([]).engine_config.speculative_config is None
 
 
+def test_lora_flags_take_vllm_names_and_forms():
+    args = parse_args(["--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "6",
+                       "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "m"}'])
+    config = args.engine_config
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 3, 32, 6)
+    assert [(m.name, m.path, m.base_model_name) for m in args.server_config.lora_modules] == [
+        ("sql", "/a/sql", None), ("chat", "/a/chat", "m")]
+    assert not args.server_config.allow_runtime_lora_updating
+    assert parse_args(["--allow-runtime-lora-updating"]).server_config.allow_runtime_lora_updating
+
+
+@pytest.mark.parametrize("argv", [["--lora-modules", "sql=/a/sql"], ["--enable-lora", "--lora-modules", "sql"],
+                                  ["--enable-lora", "--lora-modules", '{"name": "x"}']])
+def test_bad_lora_modules_exit_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2 and "--lora-modules" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--dtype", "float16"], ["--max-num-queued-reqs", "-1"],
                                   ["--speculative-config", '{"method": "eagle"}'],
                                   ["--speculative-config", '{"num_spec_tokens": 3}']])

@@ -3,8 +3,9 @@ Llama with random PEFT adapters: each adapter is named by `model` (completions a
 not) and answers the greedy tokens the offline LLM gives with the same adapter (test_lora_engine.py
 checks those against PEFT); /v1/models lists the adapters under the base; adapters are loaded and
 unloaded at run time without a compile; an unknown name is vLLM's 404; an adapter a request uses is not
-unloaded; vllm:lora_requests_info names the adapters of running requests."""
+unloaded; vllm:lora_requests_info and the dashboard name the adapters of running requests."""
 
+import json
 import time
 
 import httpx
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import make_peft_adapter, running_server
 from paged_jax import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams
-from paged_jax.serving.lora_modules import LoRAModulePath
+from paged_jax.serving.lora_modules import RUNTIME_UPDATING_ENV, LoRAModulePath
 from paged_jax.serving.server import ServerConfig, build_app
 from server_client import TIMEOUT, metrics, wait_for_idle, wait_until_ready
 
@@ -95,6 +96,18 @@ def chat(client, model: str, stream: bool = False) -> str:
 
 def num_compiles(url: str) -> float:
     return metrics(url)["paged_jax:num_compiles_total"]
+
+
+def dashboard_adapters(url: str) -> list:
+    """The adapters of the sequences in the first dashboard state that shows the pool (its snapshot comes
+    from the engine loop once a page asks: streams are read until one does, each ending after a few s)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        with httpx.stream("GET", f"{url}/dashboard/events", timeout=TIMEOUT) as events:
+            for line in events.iter_lines():
+                if line.startswith("data: ") and (pool := json.loads(line[6:])["pool"]) is not None:
+                    return [s["adapter"] for s in pool["seqs"]]
+    raise AssertionError("no dashboard state showed the pool")
 
 
 def test_models_lists_each_adapter_under_the_base(client, setup):
@@ -181,9 +194,26 @@ def test_an_adapter_in_use_is_not_unloaded_and_lora_requests_info_names_it(serve
                    for s in family.samples if s.name == "vllm:lora_requests_info"]
         latest = max(samples, key=lambda s: s.value)
         assert latest.labels == {"max_lora": "2", "running_lora_adapters": "sql", "waiting_lora_adapters": ""}
+        assert dashboard_adapters(url) == ["sql"]
         stream.close()
     finally:
         engine.runner.dispatch = original
     wait_for_idle(url)
     assert [m.id for m in client.models.list().data][:3] == [BASE, "sql", "poem"]
     assert complete(client, "sql") != ""
+
+
+def test_runtime_routes_exist_only_when_allowed(setup, monkeypatch):
+    """As in vLLM: without VLLM_ALLOW_RUNTIME_LORA_UPDATING (or the flag) the routes are absent, a 404."""
+    loaded, _ = setup
+    routes = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+
+    def paths(**config) -> set[str]:
+        app = build_app(make_engine(loaded), ServerConfig(served_model_name=BASE, **config))
+        return set(app.openapi()["paths"])
+
+    monkeypatch.delenv(RUNTIME_UPDATING_ENV, raising=False)
+    assert not routes & paths()
+    assert routes <= paths(allow_runtime_lora_updating=True)
+    monkeypatch.setenv(RUNTIME_UPDATING_ENV, "True")
+    assert routes <= paths()
