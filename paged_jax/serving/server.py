@@ -3,12 +3,11 @@
     app = build_app(LLMEngine.from_pretrained("smollm2-135m"), ServerConfig(served_model_name="smollm2-135m"))
 
 POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health, /ready,
-/metrics, /version, and guardrails.py's /dashboard; with LoRA adapters allowed to come and go,
-lora_modules.py's POST /v1/load_lora_adapter and /v1/unload_lora_adapter. The engine loop starts with the app (its lifespan)
-and stops with it; it warms up
-first (core/warmup.py): /health answers 200 while the loop runs (liveness), /ready once the warm-up is
-done (readiness), and requests sent sooner wait for it. Every error answers with OpenAI's error body,
-so the official client raises its typed exceptions.
+/metrics, /version, guardrails.py's /dashboard, and lora_modules.py's runtime adapter routes. The
+engine loop starts with the app (its lifespan) and stops with it; it warms up first (core/warmup.py):
+/health answers 200 while the loop runs (liveness), /ready once the warm-up is done (readiness), and
+requests sent sooner wait for it. Every error answers with OpenAI's error body, so the official client
+raises its typed exceptions.
 """
 
 import asyncio
@@ -46,8 +45,6 @@ try:
     VERSION = importlib.metadata.version("paged-jax")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
     VERSION = "0+unknown"
-
-
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 
@@ -68,8 +65,8 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config (kv_events.py)
-    # LoRA adapters served from the start (vLLM's --lora-modules), and whether /v1/load_lora_adapter and
-    # /v1/unload_lora_adapter exist (or the environment's VLLM_ALLOW_RUNTIME_LORA_UPDATING says so).
+    # LoRA adapters served from the start (vLLM's --lora-modules), and whether they may come and go at
+    # run time (or the environment's VLLM_ALLOW_RUNTIME_LORA_UPDATING says so; lora_modules.py).
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
 
@@ -96,8 +93,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                       "cache_dtype": engine.resolved.kv_cache_dtype},
         attention_backend=engine.resolved.attention_backend,
         max_loras=engine.config.max_loras if engine.adapters is not None else None)
-    models = LoRAModules(engine, config.served_model_name, config.model or config.served_model_name,
-                         config.lora_modules)
+    models = LoRAModules(engine, config.served_model_name, config.model or config.served_model_name, config.lora_modules)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
