@@ -2,10 +2,12 @@
 
 Every substring of at most `depth` tokens is a path from the root, each node counting the substring's
 occurrences. A draft starts at the node of the context's longest suffix found in the trie and follows
-the most frequent child while the product of the children's shares (count(child) / count(node), the
-estimate of each draft token's chance) stays at least `min_token_prob`; its length is also capped at
-`max_spec_factor` times the match's length, so a long, frequent match drafts far and a short or rare
-one little or nothing.
+the most frequent child while the product of the children's shares (the estimate of each draft
+token's chance) stays at least `min_token_prob`; its length is also capped at `max_spec_factor` times
+the match's length, so a long, frequent match drafts far and a short or rare one little or nothing.
+A child's share is its count over its siblings' together, not over its parent's: the parent also
+counts the occurrences that end a text, the context's own among them, and those say nothing of what
+follows (over the parent's count, a suffix seen once before drafts at one chance in two).
 
 Two tries are searched, the better draft (by its expected accepted tokens) kept: one per sequence
 over its prompt and output, extended as tokens come, and one shared over the outputs of the last
@@ -74,15 +76,16 @@ class SuffixTrie:
                 return node, m
         return None, 0
 
-    def draft(self, context: list[int], k: int, min_token_prob: float, max_spec_factor: float
-              ) -> tuple[list[int], float]:
-        """Up to k drafts continuing context, and their score (the sum of their estimated chances)."""
-        node, m = self.match(context, self.depth - 1)
+    def draft(self, context: list[int], k: int, min_token_prob: float, max_spec_factor: float,
+              start: tuple[_Node | None, int] | None = None) -> tuple[list[int], float]:
+        """Up to k drafts continuing context, and their score (the sum of their estimated chances);
+        start: match(context, depth - 1) where the caller knows it."""
+        node, m = start or self.match(context, self.depth - 1)
         limit = min(k, int(np.ceil(max_spec_factor * m)))
         out, prob, score = [], 1.0, 0.0
         while node is not None and len(out) < limit:
             token, child = max(node.children.items(), key=lambda kv: kv[1].count)
-            prob *= child.count / node.count
+            prob *= child.count / sum(c.count for c in node.children.values())
             if prob < min_token_prob:
                 break
             out.append(token)
@@ -90,6 +93,14 @@ class SuffixTrie:
             # At the trie's depth the path ends: the context and drafts so far find where to go on.
             node = child if child.children else self.match(context + out, self.depth - 1)[0]
         return out, score
+
+    def longest_open(self, open_paths: list[tuple[_Node, int]]) -> tuple[_Node | None, int]:
+        """match() of a text added to this trie, from its open paths (which hold the nodes of its
+        suffixes, shortest first): the longest under depth with a continuation; no walk from the root."""
+        for node, length in reversed(open_paths):
+            if 0 < length < self.depth and node.children:
+                return node, length
+        return None, 0
 
 
 def _size(node: _Node) -> int:
@@ -126,7 +137,7 @@ class SuffixProposer:
         self._own[seq_id] = (trie, paths, len(tokens))
         o = self.options
         context = tokens[-(o.depth - 1):]
-        own = trie.draft(context, k, o.min_token_prob, o.max_spec_factor)
+        own = trie.draft(context, k, o.min_token_prob, o.max_spec_factor, trie.longest_open(paths))
         shared = self.shared.draft(context, k, o.min_token_prob, o.max_spec_factor)
         return max(own, shared, key=lambda d: d[1])[0]
 

@@ -106,3 +106,22 @@ def test_suffix_stops_where_the_continuation_is_uncertain():
     proposer = SuffixProposer(SuffixOptions(depth=8, min_token_prob=0.3))
     # After "1 2" came 3, 4, 5 and 6 once each: no continuation reaches a chance of 0.3.
     assert proposer.propose(0, [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2], k=4) == []
+
+
+def test_suffix_chances_ignore_occurrences_that_end_the_text():
+    # "1 2 3" occurs twice, but the second is the context itself, which says nothing of what follows:
+    # the one continuation seen has a chance of 1, not 1/2, and passes a threshold of 0.6.
+    proposer = SuffixProposer(SuffixOptions(depth=8, min_token_prob=0.6))
+    assert proposer.propose(0, [1, 2, 3, 4, 5, 0, 1, 2, 3], k=3) == [4, 5, 0]
+
+
+@pytest.mark.parametrize("vocab", [2, 5])
+def test_suffix_longest_open_path_is_the_longest_match(vocab):
+    rng = random.Random(vocab)
+    for _ in range(200):
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        trie = SuffixTrie(depth=6)
+        paths = trie.extend([(trie.root, 0)], tokens)
+        node, m = trie.longest_open(paths)
+        expected = trie.match(tokens, trie.depth - 1)
+        assert (m, node is None) == (expected[1], expected[0] is None) and node is expected[0]
