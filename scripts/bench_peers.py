@@ -120,13 +120,18 @@ def vllm_env(python: str) -> dict[str, str]:
 class Peer:
     """A peer_driver.py process: started once, then one workload run per call."""
 
-    def __init__(self, name: str, python: str, folder: pathlib.Path, args, max_model_len: int):
+    def __init__(self, name: str, python: str, folder: pathlib.Path, args, max_model_len: int, extra=()):
+        """extra: more of peer_driver.py's flags (--speculative-config); a peer that fails to start
+        raises RuntimeError with its own error message."""
         self.name = name
         env = vllm_env(python) if name == "vllm" else dict(os.environ)
         command = [python, str(DRIVER), name, "--folder", str(folder), "--batch-size", str(args.hf_batch_size),
-                   "--max-model-len", str(max_model_len)]
+                   "--max-model-len", str(max_model_len), *extra]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self._read()  # the ready line
+        ready = self._read()
+        if "error" in ready:
+            self.process.wait()
+            raise RuntimeError(ready["error"])
 
     def _read(self) -> dict:
         for line in self.process.stdout:

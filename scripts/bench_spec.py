@@ -1,46 +1,57 @@
-"""Speculative decoding against none, side by side in one run: output tokens/s at each concurrency.
+"""Speculative decoding against none, side by side in one run: output tokens/s per workload, concurrency
+and way of serving (in the process, and through the OpenAI server).
 
     python scripts/bench_spec.py [--rounds 3] [--methods ngram,suffix] [--concurrency 1,4,16]
-                                 [--edit-requests 8] [--w1-requests 16] [--json out/spec.json]
+                                 [--workloads edit,rewrite,quote,w1] [--modes offline,server]
+                                 [--requests 2] [--max-tokens 64] [--json out/spec.json]
 
-Workloads:
-- edit: code to be returned whole with one name changed ("rewrite this code with X renamed to Y"),
-  made from functions of Python's own standard library (inspect.getsource), chat-templated for the
-  model; its output repeats its input, which prompt lookup and suffix decoding draft from;
-- w1: W1's first --w1-requests requests (../shared/workloads/w1.json), random prompts where nothing
-  repeats.
-Every system is an engine over one loaded model (the default SmolLM2-135M-Instruct): no speculation,
-then one per --methods. Each first runs every workload at every concurrency once untimed, which
-compiles the shapes they meet (--full-warmup: every shape, warmup.py, which takes long on a loaded
-machine). A round runs each workload at each
-concurrency through each system in turn (so a drift in the machine's speed hits all alike): requests
-are kept --concurrency at a time in the engine (closed loop), greedy, EOS ignored. Greedy tokens must
-be the same with and without speculation (the script fails otherwise). Suffix decoding's cache of
-finished outputs is emptied before each run: within a run it learns from the requests finished
-earlier in it, never from the same requests' outputs in an earlier run. It prints each system's
-median output tokens/s, its ratio to no speculation, and speculation's acceptance (mean accepted
-tokens per verified draft, and the share of draft tokens accepted).
+Workloads (spec_workloads.py): (a) outputs that repeat their inputs, from what Python ships: `edit`
+(a stdlib function returned whole with one name changed), `rewrite` (a stdlib docstring written again
+with one word changed), `quote` (one paragraph quoted from about 900 tokens of stdlib documentation);
+(b) `w1`, W1's first requests (../shared/workloads/w1.json), where nothing repeats. A cell (workload,
+concurrency c) has max(c, --requests) requests, each at most --max-tokens long, greedy, EOS ignored,
+kept c at a time (closed loop).
+
+Systems: no speculation, then one per --methods (k = --k, prompt lookup 2 to 5, disable_by_batch_size
+at the config's default unless --disable-by-batch-size; 0 never turns it off). Offline, each is an
+engine over one loaded model, which first runs every cell once untimed (that compiles the shapes they
+meet); prefix cache and suffix decoding's cache of finished outputs are emptied before each run (a
+run learns from the requests finished earlier in it, never from an earlier run's). Through the
+server, `python -m paged_jax.serve` is started per system on loopback (each warms up before /ready)
+and kept for the whole run, driven by serving_client.closed_loop (every other request streamed);
+round r sends the r-th slice of the workload's requests, which no server has seen before (suffix
+decoding learns from the earlier rounds' outputs there, as a server does from its traffic). The modes
+run one after the other (offline's rounds, then the servers'), so engines and servers never share memory.
+
+Rounds alternate the systems cell by cell (a drift in the machine's speed hits all alike). Greedy
+outputs must be identical with and without speculation, tokens offline and texts through the server
+(the script fails otherwise). It prints, per cell and system, the median over rounds of the round's
+ratio to no speculation, none's median tok/s, and acceptance (mean accepted tokens per verified
+draft, and the share of draft tokens accepted; offline only). --vllm-python adds vLLM (its CPU build)
+with and without its n-gram speculation on (a), offline (peer_driver.py).
 """
 
 import argparse
-import ast
+import asyncio
+import contextlib
 import dataclasses
-import inspect
 import json
-import pathlib
+import shlex
 import statistics
 import sys
 import time
 
+import bench_serving
 import bench_throughput
 import models
+import spec_workloads
 from paged_jax import EngineConfig, LLMEngine, SamplingParams
-from paged_jax.core.llm import chat_prompt
-from paged_jax.core.warmup import warm_up
 from paged_jax.research import machine
+from serving_client import closed_loop
 
-# Standard-library modules whose functions the edit workload rewrites: plain Python, a few dozen lines each.
-EDIT_SOURCES = ("textwrap", "shlex", "fnmatch", "colorsys", "heapq", "bisect", "glob", "keyword")
+# KV cache of each engine and server: enough for 16 sequences of the longest workload (quote, about
+# 1,000 tokens) on SmolLM2; half the host default, so that three servers fit beside others' work.
+KV_BYTES = 1 << 30
 
 
 def parse_args(argv=None):
@@ -50,40 +61,27 @@ def parse_args(argv=None):
     p.add_argument("--methods", default="ngram,suffix")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     p.add_argument("--concurrency", default="1,4,16")
-    p.add_argument("--edit-requests", type=int, default=8)
-    p.add_argument("--w1-requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=192, help="cap on each request's output")
-    p.add_argument("--workloads", default="edit,w1")
+    p.add_argument("--workloads", default=",".join(spec_workloads.KINDS))
+    p.add_argument("--modes", default="offline,server")
+    p.add_argument("--requests", type=int, default=2, help="requests of a cell below this concurrency")
+    p.add_argument("--max-tokens", type=int, default=64, help="cap on each request's output")
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--full-warmup", action="store_true", help="warm every shape up first (warmup.py)")
+    p.add_argument("--disable-by-batch-size", type=int,
+                   help="speculation off from this many running sequences (0: never; default: the config's)")
+    p.add_argument("--vllm-python", help="also vLLM's CPU build from this virtualenv, with and without n-gram")
     p.add_argument("--json")
     return p.parse_args(argv)
 
 
-def edit_prompts(tokenizer, n: int, max_tokens: int) -> list[tuple[list[int], int]]:
-    """(prompt ids, max_tokens) of n edit requests: a stdlib function and a rename within it."""
-    out = []
-    for name in EDIT_SOURCES:
-        module = __import__(name)
-        for node in ast.parse(inspect.getsource(module)).body:
-            if len(out) == n:
-                return out
-            if not isinstance(node, ast.FunctionDef) or not 8 <= node.end_lineno - node.lineno <= 40:
-                continue
-            code = ast.get_source_segment(inspect.getsource(module), node)
-            args = [a.arg for a in node.args.args]
-            old = args[0] if args else node.name
-            message = (f"Rewrite this Python function with `{old}` renamed to `{old}_value`. Change nothing "
-                       f"else and answer with the whole function only.\n\n```python\n{code}\n```")
-            ids = chat_prompt(tokenizer, [{"role": "user", "content": message}])
-            code_tokens = len(tokenizer.encode(code))
-            out.append((list(ids), min(max_tokens, code_tokens + 16)))
-    return out
-
-
-def w1_prompts(n: int, max_tokens: int) -> list[tuple[list[int], int]]:
-    workload = bench_throughput.load_workload(bench_throughput.DEFAULT_WORKLOAD)
-    return [(r["prompt_token_ids"], min(max_tokens, r["max_new_tokens"])) for r in workload["requests"][:n]]
+def spec_configs(args) -> dict[str, dict | None]:
+    """System name -> speculative_config (None: no speculation)."""
+    systems = {"none": None}
+    for method in filter(None, args.methods.split(",")):
+        config = dict(method=method, num_speculative_tokens=args.k, prompt_lookup_min=2, prompt_lookup_max=5)
+        if args.disable_by_batch_size is not None:
+            config["disable_by_batch_size"] = args.disable_by_batch_size or None
+        systems[method] = config
+    return systems
 
 
 def run(engine: LLMEngine, requests, concurrency: int) -> tuple[float, list[list[int]]]:
@@ -107,68 +105,131 @@ def run(engine: LLMEngine, requests, concurrency: int) -> tuple[float, list[list
     return elapsed, [outputs[rid] for rid in sorted(outputs, key=order.get)]
 
 
+class Offline:
+    """The systems as engines in this process."""
+
+    def __init__(self, args, loaded, systems, cells):
+        base = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=1024, kv_cache_memory_bytes=KV_BYTES)
+        self.engines = {name: LLMEngine(loaded.model, loaded.config, loaded.tokenizer,
+                                        EngineConfig(**base, speculative_config=config))
+                        for name, config in systems.items()}
+        for requests, c in cells:
+            for engine in self.engines.values():
+                run(engine, requests, c)  # compiles what it meets, untimed
+
+    def round(self, name, requests, c):
+        """(output tokens/s, outputs to compare, (drafts, draft tokens, accepted) or None)."""
+        engine = self.engines[name]
+        before = dataclasses.replace(engine.speculator.stats) if engine.speculator else None
+        elapsed, tokens = run(engine, requests, c)
+        counts = None
+        if before is not None:
+            s = engine.speculator.stats
+            counts = (s.num_drafts - before.num_drafts, s.num_draft_tokens - before.num_draft_tokens,
+                      s.num_accepted_tokens - before.num_accepted_tokens)
+        return sum(map(len, tokens)) / elapsed, tokens, counts
+
+
+def servers(args, systems, stack: contextlib.ExitStack) -> dict[str, str]:
+    """System name -> the URL of its server, each started (and warmed up) in turn, stopped with stack."""
+    urls = {}
+    for name, config in systems.items():
+        flags = f"--max-num-seqs {args.max_num_seqs} --kv-cache-memory-bytes {KV_BYTES}"
+        if config is not None:
+            flags += f" --speculative-config {shlex.quote(json.dumps(config))}"
+        urls[name] = stack.enter_context(bench_serving.paged_jax_server(argparse.Namespace(model=args.model,
+                                                                                           server_args=flags)))
+    return urls
+
+
+def serve(url: str, requests, c: int, model: str) -> tuple[float, list[str]]:
+    """(output tok/s, texts) of the requests sent to a server c at a time."""
+    body = [{"prompt_token_ids": p, "max_new_tokens": m} for p, m in requests]
+    results, elapsed = asyncio.run(closed_loop(url, body, c, model))
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        sys.exit(f"{url}: {errors[0]}")
+    return sum(r["output_tokens"] for r in results) / elapsed, [r["text"] for r in results]
+
+
+def summarize(args, rates, acceptance) -> dict:
+    print("\n" + machine.one_line(machine.describe()) + " (a shared machine: others' load varies)")
+    print(f"medians over {args.rounds} rounds of each round's ratio to none (none: median output tok/s); "
+          "acceptance: mean accepted per draft, share of draft tokens accepted")
+    figures = {}
+    for key in dict.fromkeys(k[:3] for k in rates):
+        names = [k[3] for k in rates if k[:3] == key]
+        row = [f"{key[0]:7s} {key[1]:7s} c={key[2]:<3d} none {statistics.median(rates[(*key, 'none')]):6.1f} tok/s"]
+        for name in names:
+            # vLLM's speculation against vLLM without it; the rest (vLLM's plain too) against our none
+            base = rates[(*key, "vllm" if name == "vllm-ngram" else "none")]
+            ratio = statistics.median(a / b for a, b in zip(rates[(*key, name)], base))
+            figure = figures["/".join(map(str, (*key, name)))] = dict(ratio=ratio, tok_s=statistics.median(rates[(*key, name)]))
+            if name == "none":
+                continue
+            text = f"{name} {ratio:.2f}x"
+            if acceptance.get((*key, name)):
+                drafts, draft_tokens, accepted = map(sum, zip(*acceptance[(*key, name)]))
+                figure.update(drafts=drafts, draft_tokens=draft_tokens, accepted=accepted)
+                text += f" ({accepted / max(drafts, 1):.2f}, {accepted / max(draft_tokens, 1):.0%})"
+            row.append(text)
+        print("  ".join(row))
+    return figures
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     loaded = models.load_model(args.model)
-    base = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=1024)
-    systems = {"none": EngineConfig(**base)}
-    for method in filter(None, args.methods.split(",")):
-        systems[method] = EngineConfig(**base, speculative_config=dict(
-            method=method, num_speculative_tokens=args.k, prompt_lookup_min=2, prompt_lookup_max=5))
-    engines = {}
-    for name, config in systems.items():
-        engines[name] = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, config)
-        if args.full_warmup:
-            warm_up(engines[name])
-    workloads = {"edit": edit_prompts(loaded.tokenizer, args.edit_requests, args.max_tokens),
-                 "w1": w1_prompts(args.w1_requests, args.max_tokens)}
-    workloads = {w: workloads[w] for w in args.workloads.split(",")}
+    systems = spec_configs(args)
     levels = [int(c) for c in args.concurrency.split(",")]
+    kinds = args.workloads.split(",")
+    modes = args.modes.split(",")
+    # Offline, every round runs a cell's same requests (its caches emptied before each run); through
+    # the server, round r runs the r-th slice of the pool, requests the servers have not seen.
+    most = max(max(levels), args.requests) * (args.rounds if "server" in modes else 1)
+    pool = {w: spec_workloads.make(w, loaded.tokenizer, most, args.max_tokens) for w in kinds}
+    cells = [(w, c, pool[w][: max(c, args.requests)]) for w in kinds for c in levels]
     rates: dict[tuple, list[float]] = {}
-    acceptance: dict[tuple, list[tuple[int, int, int]]] = {}
-    for w, requests in workloads.items():
-        for c in levels:
-            for engine in engines.values():
-                run(engine, requests, c)  # compiles what it meets, untimed
-    for r in range(args.rounds):
-        for w, requests in workloads.items():
-            for c in levels:
-                reference = None
-                for name, engine in engines.items():
-                    before = dataclasses.replace(engine.speculator.stats) if engine.speculator else None
-                    elapsed, tokens = run(engine, requests, c)
-                    if reference is None:
-                        reference = tokens
-                    elif tokens != reference:
-                        sys.exit(f"{name} on {w} at concurrency {c}: greedy tokens differ from no speculation")
-                    rates.setdefault((w, c, name), []).append(sum(map(len, tokens)) / elapsed)
-                    if before is not None:
-                        s = engine.speculator.stats
-                        acceptance.setdefault((w, c, name), []).append(
-                            (s.num_drafts - before.num_drafts, s.num_draft_tokens - before.num_draft_tokens,
-                             s.num_accepted_tokens - before.num_accepted_tokens))
-                    print(f"round {r + 1} {w:5s} c={c:<3d} {name:7s} {rates[(w, c, name)][-1]:8.1f} tok/s", flush=True)
-    print("\n" + machine.one_line(machine.describe()) + " (a shared machine: others' load varies)")
-    print(f"medians of {args.rounds} rounds, output tok/s (ratio to none); acceptance: mean accepted per "
-          f"draft, share of draft tokens accepted")
-    figures = {}
-    for w in workloads:
-        for c in levels:
-            none = statistics.median(rates[(w, c, "none")])
-            row = [f"{w:5s} c={c:<3d} none {none:7.1f}"]
-            for name in engines:
-                if name == "none":
-                    continue
-                median = statistics.median(rates[(w, c, name)])
-                drafts, draft_tokens, accepted = map(sum, zip(*acceptance[(w, c, name)]))
-                row.append(f"{name} {median:7.1f} ({median / none:.2f}x; {accepted / max(drafts, 1):.2f}, "
-                           f"{accepted / max(draft_tokens, 1):.0%})")
-                figures[f"{w}/c{c}/{name}"] = dict(tok_s=median, ratio=median / none, drafts=drafts,
-                                                   draft_tokens=draft_tokens, accepted=accepted)
-            figures[f"{w}/c{c}/none"] = dict(tok_s=none)
-            print("  ".join(row))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(figures, indent=1))
+    acceptance: dict[tuple, list] = {}
+    reference: dict[tuple, list] = {}  # this round's outputs without speculation, per cell (ours; vLLM's)
+
+    def record(key, name, rate, outputs, counts=None):
+        rates.setdefault((*key, name), []).append(rate)
+        if counts is not None:
+            acceptance.setdefault((*key, name), []).append(counts)
+        same = reference.setdefault((*key, "vllm" if name.startswith("vllm") else "ours"), outputs)
+        if outputs != same:
+            sys.exit(f"{name} on {key}: greedy outputs differ from no speculation's")
+        print(f"round {len(rates[(*key, name)])} {' '.join(map(str, key)):20s} {name:12s} {rate:8.1f} tok/s", flush=True)
+
+    vllm = None
+    for mode in modes:  # one after the other: the engines of one and the servers of the other never together
+        with contextlib.ExitStack() as stack:  # servers and peers stopped however the run ends
+            offline = Offline(args, loaded, systems, [(r, c) for _, c, r in cells]) if mode == "offline" else None
+            if args.vllm_python and mode == "offline":
+                import spec_vllm
+                vllm = spec_vllm.Peer(args, [r for w, _, r in cells if w != "w1"])
+                stack.callback(vllm.close)
+            urls = servers(args, systems, stack) if mode == "server" else {}
+            for r in range(args.rounds):
+                reference.clear()
+                for w, c, requests in cells:
+                    if offline is not None:
+                        for name in systems:
+                            rate, tokens, counts = offline.round(name, requests, c)
+                            record(("offline", w, c), name, rate, tokens, counts)
+                    if vllm is not None and w != "w1":  # workload (a) only
+                        for name, rate, tokens in vllm.round(requests, c):
+                            record(("offline", w, c), name, rate, tokens)
+                    n = len(requests)
+                    for name, url in urls.items():
+                        record(("server", w, c), name, *serve(url, pool[w][r * n : (r + 1) * n], c, args.model))
+            del offline
+    figures = summarize(args, rates, acceptance)
+    if vllm is not None and vllm.refusal:
+        figures["vllm_refused_speculation"] = vllm.refusal
+        print(f"vLLM refused its n-gram speculation: {vllm.refusal}")
+    bench_throughput.write_json(args.json, figures)
     return figures
 
 

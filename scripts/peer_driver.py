@@ -68,14 +68,16 @@ def vllm_serve(serve_args: list[str]) -> None:
     vllm_main()
 
 
-def vllm_runner(folder: str, max_model_len: int):
+def vllm_runner(folder: str, max_model_len: int, speculative_config: dict | None = None):
     """vLLM's offline LLM as VLLM-CPU.md measured it (float32, no prefix caching, its defaults
-    otherwise: chunked prefill, max_num_seqs 256, max_num_batched_tokens 4096)."""
+    otherwise: chunked prefill, max_num_seqs 256, max_num_batched_tokens 4096), with its speculative
+    decoding where speculative_config (its own keys) is given."""
     _vllm_version()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=folder, dtype="float32", max_model_len=max_model_len, enable_prefix_caching=False, seed=0)
+    spec = {"speculative_config": speculative_config} if speculative_config else {}
+    llm = LLM(model=folder, dtype="float32", max_model_len=max_model_len, enable_prefix_caching=False, seed=0, **spec)
 
     def run(requests: list[dict]) -> list[list[int]]:
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
@@ -99,11 +101,16 @@ def main(argv=None) -> None:
     p.add_argument("--folder", required=True, help="a Hugging Face model folder (float32 safetensors)")
     p.add_argument("--batch-size", type=int, default=16, help="transformers: requests per static batch")
     p.add_argument("--max-model-len", type=int, default=1024, help="vLLM: longest prompt + output")
+    p.add_argument("--speculative-config", type=json.loads, help="vLLM: its speculative_config, as JSON")
     args = p.parse_args(argv)
     if args.system == "transformers":
         run = transformers_runner(args.folder, args.batch_size)
     else:
-        run = vllm_runner(args.folder, args.max_model_len)
+        try:
+            run = vllm_runner(args.folder, args.max_model_len, args.speculative_config)
+        except Exception as error:  # the reader wants vLLM's own words when it refuses a configuration
+            answer({"error": f"{type(error).__name__}: {error}"})
+            raise
     answer({"ready": True})
     for line in sys.stdin:
         requests = json.loads(line)["requests"]

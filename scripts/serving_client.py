@@ -12,28 +12,53 @@ import httpx
 import numpy as np
 
 
-async def one_request(http: httpx.AsyncClient, request: dict, model: str) -> dict:
-    """Stream one completion; client-side timings (s) of its chunks and its token counts."""
+async def one_request(http: httpx.AsyncClient, request: dict, model: str, stream: bool = True) -> dict:
+    """One completion, streamed or not; client-side timings (s) of its chunks, its token counts and
+    its text (a non-streamed answer is one chunk: its TTFT is its end-to-end latency)."""
     body = dict(model=model, prompt=request["prompt_token_ids"], max_tokens=request["max_new_tokens"], temperature=0,
-                ignore_eos=True, stream=True, stream_options={"include_usage": True})
+                ignore_eos=True, stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
     start = time.perf_counter()
-    chunk_times, usage = [], None
-    async with http.stream("POST", "/v1/completions", json=body) as r:
+    chunk_times, usage, text = [], None, []
+    if not stream:
+        r = await http.post("/v1/completions", json=body)
         if r.status_code != 200:
-            return {"error": f"{r.status_code}: {(await r.aread()).decode()[:200]}"}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            elif chunk.get("choices"):
-                chunk_times.append(time.perf_counter())
+            return {"error": f"{r.status_code}: {r.text[:200]}"}
+        answer = r.json()
+        chunk_times, usage, text = [time.perf_counter()], answer["usage"], [answer["choices"][0]["text"]]
+    else:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"{r.status_code}: {(await r.aread()).decode()[:200]}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                elif chunk.get("choices"):
+                    chunk_times.append(time.perf_counter())
+                    text.append(chunk["choices"][0]["text"])
     end = time.perf_counter()
     if not chunk_times or usage is None:
         return {"error": "the stream ended without output or usage"}
     return {"ttft": chunk_times[0] - start, "e2e": end - start, "itls": np.diff(chunk_times).tolist(),
-            "prompt_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+            "prompt_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"], "text": "".join(text)}
+
+
+async def closed_loop(base_url: str, requests: list[dict], concurrency: int, model: str) -> tuple[list[dict], float]:
+    """The requests kept `concurrency` in flight (each sent as one ends), every other one streamed;
+    their results in order, and the seconds from the first sent to the last answered."""
+    results: list[dict | None] = [None] * len(requests)
+    queue = iter(enumerate(requests))
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600), limits=limits) as http:
+        async def worker():
+            for i, request in queue:  # one shared iterator: each request taken by one worker
+                results[i] = await one_request(http, request, model, stream=i % 2 == 0)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - start
 
 
 async def replay(base_url: str, requests: list[dict], rate: float, seed: int, model: str) -> tuple[list[dict], float]:
