@@ -13,8 +13,10 @@ class SpeculativeConfig:
     # n-gram: the context's suffix looked up is between these lengths, the longest found wins.
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    # No drafts while this many sequences or more run (None: never off); vLLM's name.
-    disable_by_batch_size: int | None = None
+    # No drafts while this many sequences or more run (None: never off); vLLM's name. Measured with
+    # bench_spec.py (docs/engine.md): on two cores, SmolLM2 and k = 5, drafting won at 4 sequences
+    # and lost at 8, where a verify step's k + 1 tokens a sequence outweigh what it accepts.
+    disable_by_batch_size: int | None = 6
     # A sequence stops drafting once, over at least `acceptance_window` drafts, fewer than this share
     # were accepted; it tries again after as many output tokens (0: never stops).
     min_acceptance_rate: float = 0.1

@@ -9,9 +9,12 @@ import pytest
 from engine_cases import GREEDY, assert_all_free, finish_all, generate, make_engine, prompts, tiny  # noqa: F401
 from paged_jax import LLM, SamplingParams
 from paged_jax.core.warmup import warm_up
+from paged_jax.spec_decode.config import SpeculativeConfig
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+# Never off by batch size: these tests verify drafts of many sequences in one step.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": None}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +120,21 @@ def test_nothing_compiles_after_warm_up(tiny, repeating, prompts):
     assert engine.speculator.stats.num_drafts > 0
     assert engine.runner.num_compiles == compiles
     assert_all_free(engine)
+
+
+def test_by_default_a_batch_of_the_measured_size_drafts_nothing(tiny, repeating):
+    limit = SpeculativeConfig().disable_by_batch_size
+    for running, drafts in ((limit, False), (limit - 1, True)):
+        engine = make_engine(tiny, block_size=8, num_blocks=512, max_num_seqs=16,
+                             speculative_config={k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"})
+        for prompt in repeating[:running]:
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        for _ in range(8):  # every sequence still running: 8 steps of at most k + 1 tokens make under 64
+            engine.step()
+        assert len(engine.scheduler.running) == running
+        assert (engine.speculator.stats.num_drafts > 0) == drafts
+        finish_all(engine)
+        assert_all_free(engine)
 
 
 def test_speculation_turns_itself_off(tiny, repeating):
