@@ -7,8 +7,9 @@ config, behind a small FastAPI app.
 The same config runs LiteLLM's own proxy (`litellm --config ...`, from `pip install 'litellm[proxy]'`),
 which does the same routing with keys, budgets and a database around it; its proxy extra needs
 packages this project does not install (docs/scaling.md says why). This gateway answers completions and
-chat completions, not streamed, and says which deployment answered in the headers the proxy uses:
-x-litellm-model-id and x-litellm-model-api-base.
+chat completions, streamed (server-sent events, as OpenAI sends them) or not, and says which deployment
+answered in the headers the proxy uses: x-litellm-model-id and x-litellm-model-api-base. A stream is
+retried on another replica only until its first chunk: one that breaks later ends early.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import litellm  # noqa: E402
 import uvicorn  # noqa: E402
 import yaml  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.responses import JSONResponse  # noqa: E402
+from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
 
 def make_router(config: dict) -> litellm.Router:
@@ -34,8 +35,6 @@ def build_app(router: litellm.Router) -> FastAPI:
 
     async def forward(call, request: Request) -> JSONResponse:
         body = await request.json()
-        if body.get("stream"):
-            return _error(400, "this gateway does not stream; LiteLLM's proxy does", "invalid_request_error")
         try:
             response = await call(**body)
         except Exception as e:  # LiteLLM's errors carry the status the last deployment (or LiteLLM) gave
@@ -43,6 +42,8 @@ def build_app(router: litellm.Router) -> FastAPI:
         hidden = getattr(response, "_hidden_params", {}) or {}
         headers = {"x-litellm-model-id": str(hidden.get("model_id")),
                    "x-litellm-model-api-base": str(hidden.get("api_base"))}
+        if body.get("stream"):
+            return StreamingResponse(_events(response), media_type="text/event-stream", headers=headers)
         return JSONResponse(response.model_dump(exclude_none=True), headers=headers)
 
     @app.post("/v1/chat/completions")
@@ -63,6 +64,13 @@ def build_app(router: litellm.Router) -> FastAPI:
         return {"status": "ok"}
 
     return app
+
+
+async def _events(stream):
+    """LiteLLM's stream of chunks as server-sent events, ending with OpenAI's [DONE]."""
+    async for chunk in stream:
+        yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:

@@ -180,3 +180,22 @@ def test_a_canary_gets_its_weight_of_the_traffic(tiny_chat_model):
             m = metrics(url)
             # Each side's own latency histogram holds its requests, to compare the canary's with the stable's.
             assert m["paged_jax:e2e_request_latency_seconds_count"] == answered_by[name] == successes(url)
+
+
+def test_a_stream_through_the_gateway_says_what_the_replica_says(tiny_chat_model):
+    _, server = replica(tiny_chat_model)
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    with server as url, fleet({"tiny": [("only", url, 1)]}) as (client, _):
+        direct = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        for kind in ("chat", "completion"):
+            if kind == "chat":
+                ask = dict(model="tiny", messages=messages, max_tokens=24, temperature=0)
+                expected = direct.chat.completions.create(**ask).choices[0].message.content
+                chunks = list(client.chat.completions.create(**ask, stream=True))
+                streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                ask = dict(model="tiny", prompt="The sea is", max_tokens=24, temperature=0)
+                expected = direct.completions.create(**ask).choices[0].text
+                chunks = list(client.completions.create(**ask, stream=True))
+                streamed = "".join(c.choices[0].text or "" for c in chunks if c.choices)
+            assert len(chunks) > 2 and expected and streamed == expected, (kind, streamed, expected)
