@@ -37,6 +37,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from paged_jax.research import machine
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "fleet"))
 from prefix_router import PrefixRouter  # noqa: E402
@@ -175,6 +177,7 @@ def main(argv=None) -> None:
                    "--max-num-batched-tokens 256 --max-model-len 1024",
                    help="for both replicas: 320 blocks of 16 tokens hold about half the groups and their chats")
     args = p.parse_args(argv)
+    print(machine.one_line(machine.describe()), flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for policy in ("round-robin", "prefix"):
