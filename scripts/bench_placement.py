@@ -83,8 +83,8 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
 
 def prefix_counters(url: str) -> tuple[float, float]:
     """(vllm:prefix_cache_hits_total, vllm:prefix_cache_queries_total) of a replica, in tokens."""
-    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-              for s in f.samples}
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     return values["vllm:prefix_cache_hits_total"], values["vllm:prefix_cache_queries_total"]
 
 
