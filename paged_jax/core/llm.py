@@ -109,10 +109,11 @@ class LLM:
 
 
 def chat_prompt(tokenizer, conversation: list[dict], *, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
-    """The token ids of a conversation under the tokenizer's chat template (the template writes the
-    special tokens, so none are added by default). tools: given to the template, which shows them to
-    the model if it knows how."""
+                add_special_tokens: bool = False, tools: list[dict] | None = None,
+                chat_template: str | None = None) -> list[int]:
+    """The token ids of a conversation under the tokenizer's chat template, or `chat_template` where
+    given (the template writes the special tokens, so none are added by default). tools: given to the
+    template, which shows them to the model if it knows how."""
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools)
+                                         tools=tools, chat_template=chat_template)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -55,6 +55,19 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
                            help=help + ("" if field.default is None else " (default: %(default)s)"))
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: a file's text, else the value itself if it reads as a template."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ValueError(f"--chat-template {value!r} is neither a template nor a file that opens: {e}") from e
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=models.DEFAULT_MODEL, help="short name, GGUF file or Hugging Face folder")
@@ -89,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help=f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as ${RUNTIME_UPDATING_ENV}"
                    "=true does, vLLM's switch)")
+    p.add_argument("--chat-template", help="the Jinja template /v1/chat/completions renders conversations with, or a "
+                   "file holding it (default: the tokenizer's own; a GGUF's tokenizer.chat_template)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     _add_engine_flags(p.add_argument_group("engine options (vLLM's names)"))
@@ -105,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             max_tokens_cap=args.max_tokens_cap, max_request_bytes=args.max_request_bytes,
             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, max_queue_time=args.max_queue_time,
             breaker_threshold=args.breaker_threshold, enable_auto_tool_choice=args.enable_auto_tool_choice,
-            tool_call_parser=args.tool_call_parser,
+            tool_call_parser=args.tool_call_parser, chat_template=read_chat_template(args.chat_template),
             kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
             lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     except ValueError as e:

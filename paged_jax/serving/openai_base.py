@@ -59,11 +59,12 @@ def num_tokens(outputs: Sequence[RequestOutput]) -> int:
 class OpenAIBase:
     def __init__(self, engine: AsyncLLMEngine, models: LoRAModules, *, max_tokens_cap: int | None = None,
                  request_timeout: float | None = None, guard: "SloGuard | None" = None,
-                 auto_tool_parser: str | None = None):
+                 auto_tool_parser: str | None = None, chat_template: str | None = None):
         """models: the base model's name and the LoRA adapters a request may name. max_tokens_cap: the most tokens one request may ask for. request_timeout: seconds a request
         may take at most (each request may ask for less). guard: latency objectives (slo.py).
         auto_tool_parser: the tool_parsers.PARSERS name tool_choice "auto" reads calls with (None:
-        "auto" is refused)."""
+        "auto" is refused). chat_template: the Jinja template chats are rendered with (vLLM's
+        --chat-template; None: the tokenizer's own)."""
         self.engine = engine
         self.guard = guard
         self.models = models
@@ -73,6 +74,7 @@ class OpenAIBase:
         self.limits = engine.limits
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.auto_tool_parser = auto_tool_parser
+        self.chat_template = chat_template
 
     def _check_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
         """The name a response gives as its model, and the LoRA adapter `name` runs (None: the base model);

@@ -85,11 +85,15 @@ class ChatServing(OpenAIBase):
             yield chunk([], usage([prompt], completion_tokens, cached_tokens([last] if last else [])))
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, **options) -> list[int]:
-        if self.tokenizer is None or self.tokenizer.chat_template is None:
-            raise bad_request("this model has no chat template: use /v1/completions", "messages")
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if self.tokenizer is None or template is None:
+            # As vLLM does since transformers dropped default templates: no guessing at a prompt format.
+            raise bad_request("this model's tokenizer has no chat template: start the server with --chat-template "
+                              "(a Jinja template or a file holding one), or use /v1/completions", "messages")
         conversation = [template_message(m, _content_text(m.content)) for m in messages]
         try:
-            return chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt, **options)
+            return chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                               chat_template=template, **options)
         except Exception as e:  # the template refused the conversation (roles out of order, say)
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
 

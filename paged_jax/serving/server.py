@@ -69,6 +69,7 @@ class ServerConfig:
     # run time (or the environment's VLLM_ALLOW_RUNTIME_LORA_UPDATING says so; lora_modules.py).
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
+    chat_template: str | None = None  # Jinja text chats are rendered with (None: the tokenizer's own)
 
     def __post_init__(self):
         for name in ("max_num_queued_reqs", "request_timeout", "max_tokens_cap", "max_request_bytes", "slo_ttft_ms",
@@ -107,7 +108,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         app.state.serving = OpenAIServing(
             async_engine, models, max_tokens_cap=config.max_tokens_cap,
             request_timeout=config.request_timeout, guard=guardrails.guard,
-            auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None)
+            auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+            chat_template=config.chat_template)
         try:
             yield
         finally:

@@ -81,9 +81,18 @@ def test_bad_lora_modules_exit_with_a_message(argv, capsys):
     assert exit_.value.code == 2 and "--lora-modules" in capsys.readouterr().err
 
 
+def test_chat_template_is_a_file_or_the_template_itself():
+    path = REPO / "examples" / "chat_templates" / "gemma3.jinja"
+    assert parse_args(["--chat-template", str(path)]).server_config.chat_template == path.read_text()
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert parse_args(["--chat-template", inline]).server_config.chat_template == inline
+    assert parse_args([]).server_config.chat_template is None
+
+
 @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--dtype", "float16"], ["--max-num-queued-reqs", "-1"],
                                   ["--speculative-config", '{"method": "eagle"}'],
-                                  ["--speculative-config", '{"num_spec_tokens": 3}']])
+                                  ["--speculative-config", '{"num_spec_tokens": 3}'],
+                                  ["--chat-template", "no/such/template.jinja"]])
 def test_bad_flags_exit_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv)
