@@ -110,7 +110,8 @@ def vllm_env(python: str) -> dict[str, str]:
     """The environment vLLM's CPU build runs in (VLLM-CPU.md): tcmalloc and its OpenMP preloaded, a KV
     budget, both cores for the model."""
     env = dict(os.environ)
-    preload = [TCMALLOC, pathlib.Path(python).resolve().parents[1] / "lib" / "libiomp5.so"]
+    # The virtualenv's own lib/: not resolve()'s, which follows bin/python to the base interpreter's.
+    preload = [TCMALLOC, pathlib.Path(python).absolute().parents[1] / "lib" / "libiomp5.so"]
     env["LD_PRELOAD"] = ":".join(str(p) for p in preload if p.exists())
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # both cores for the model
