@@ -123,7 +123,20 @@ def argmax(logits: jax.Array) -> jax.Array:
 
 def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """logits: f32 [S, V], penalised -> int32 [S], a draw per row (greedy rows' are discarded)."""
-    return jax.vmap(jax.random.categorical)(row_keys(t), draw_logits(logits, t)).astype(jnp.int32)
+    return draw(row_keys(t), draw_logits(logits, t))
+
+
+def draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """keys: [S] PRNG keys; logits: f32 [S, V], -inf for a barred token -> int32 [S], each row's token drawn
+    from softmax(logits) by inverting its running sum at one uniform number. jax.random.categorical's
+    Gumbel noise is a random number per token: 118 ms for 64 rows of 49,152 on a 2-core Xeon, this 16."""
+    p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    cdf = jnp.cumsum(p, axis=-1)
+    u = jax.vmap(jax.random.uniform)(keys)
+    token = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
+    # u * total may round up to the total: then the last token with mass, never one past it.
+    last = p.shape[-1] - 1 - jnp.argmax(p[:, ::-1] > 0, axis=-1)
+    return jnp.minimum(token, last).astype(jnp.int32)
 
 
 def draw_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -148,15 +161,40 @@ def _mask_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
 
     Keeps the top_k largest, then the fewest of those whose probability, renormalised over the
     top_k, reaches top_p (vLLM's order). Ties with the smallest kept logit are kept too.
+
+    Both cut-offs are found by bisection over the logits' values (32 masked passes each, a branch skipped
+    where no row asks for it), not by sorting the vocabulary: XLA's sort of 64 rows of 49,152 logits
+    takes about a second on a 2-core Xeon. The top_p cut-off is the smallest value whose strictly larger
+    values hold less than top_p of the mass: the value at which a sorted running sum would stop.
     """
     vocab = logits.shape[-1]
-    desc = -jnp.sort(-logits, axis=-1)
+    keys = _ordered_bits(logits)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    in_top_k = jnp.arange(vocab) < k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, desc, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # top_p 1 keeps everything even where rounding lets the running sum reach 1 early.
-    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1))
-    # keep is a prefix of the sorted row (mass_before only grows), so its length finds the cut-off.
-    cutoff = jnp.take_along_axis(desc, keep.sum(axis=-1, keepdims=True) - 1, axis=-1)
-    return jnp.where(logits < cutoff, -jnp.inf, logits)
+    # The k-th largest value: the smallest t with fewer than k values above it.
+    above = lambda t: keys > t[:, None]
+    kth = jax.lax.cond(jnp.any(top_k > 0), lambda: _smallest(lambda t: jnp.sum(above(t), axis=-1) < k, keys),
+                       lambda: jnp.min(keys, axis=-1))
+    probs = jax.nn.softmax(jnp.where(keys >= kth[:, None], logits, -jnp.inf), axis=-1)
+    cut = jax.lax.cond(jnp.any(top_p < 1), lambda: _smallest(
+        lambda t: jnp.sum(jnp.where(above(t), probs, 0), axis=-1) < top_p, keys), lambda: kth)
+    # top_p 1 keeps everything even where rounding lets the mass reach 1 early.
+    cut = jnp.where(top_p >= 1, kth, jnp.maximum(cut, kth))
+    return jnp.where(keys < cut[:, None], -jnp.inf, logits)
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """f32 [...] -> uint32 [...] in the floats' order (-inf lowest; -0 and +0 one value)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _smallest(holds, keys: jax.Array) -> jax.Array:
+    """uint32 [S]: per row, the smallest t in [min, max] of keys (uint32 [S, V]) where holds(t) (bool [S])
+    is true, for a holds that is false below some t and true from there up, true at the max."""
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = holds(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)))[1]

@@ -53,7 +53,7 @@ def rejection_sample(logits: jax.Array, t: SamplingTensors, drafts: jax.Array,
         residual = jnp.where(is_draft, -jnp.inf, scaled)
         # A draft holding all the mass is always accepted; its residual (all -inf) is never used.
         residual = jnp.where(jnp.isfinite(residual).any(axis=-1, keepdims=True), residual, scaled)
-        drawn = jax.vmap(jax.random.categorical)(keys, residual).astype(jnp.int32)
+        drawn = sampling.draw(keys, residual)
         sampled_rows = t.temperature > 0
         accepted = jnp.where(sampled_rows, drawn_accepts, accepted)
         tokens = jnp.where(sampled_rows, jnp.where(drawn_accepts, drafts, drawn), greedy)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from paged_jax.core.sampling import apply_penalties, argmax, sample
+from paged_jax.core.sampling import apply_penalties, argmax, draw_logits, sample
 from paged_jax.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from sampler_rows import EOS, VOCAB_SIZE, build, log_softmax
 
@@ -106,6 +106,37 @@ def test_masked_tokens_are_never_sampled_in_a_mixed_batch():
     for row, (token, p) in enumerate(zip(tokens, params)):
         allowed = expected_distribution(np.float64(logits[row]), p.temperature, p.top_k, p.top_p, p.min_p)
         assert allowed[token] > 0, (row, p)
+
+
+def kept_by_sorting(row, top_k, top_p):
+    """float32 [V] -> bool [V]: what top_k then top_p keep, by the rule as a sort states it: the values
+    from the k-th largest up (ties too), then down a descending running sum of their renormalised
+    probabilities, every token whose value's larger values hold less than top_p."""
+    desc = np.sort(row)[::-1]
+    kth = desc[min(top_k, len(row)) - 1] if top_k > 0 else desc[-1]
+    top = row[row >= kth].astype(np.float64)
+    probs = np.exp(top - top.max()) / np.exp(top - top.max()).sum()
+    cut = kth
+    if top_p < 1:
+        cut = min(v for v in np.unique(top) if probs[top > v].sum() < top_p)
+    return (row >= cut) & np.isfinite(row)
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 49152])
+def test_top_k_top_p_keep_exactly_what_a_sorted_running_sum_keeps(vocab):
+    rng = np.random.default_rng(vocab)
+    rows = 24
+    # Half the rows of few distinct values (ties at every cut-off), half continuous.
+    logits = np.concatenate([rng.integers(-8, 8, size=(rows // 2, vocab)) / 2,
+                             rng.normal(scale=3.0, size=(rows // 2, vocab))]).astype(np.float32)
+    logits[0, : vocab // 2] = -np.inf  # banned tokens are never kept
+    top_ks = rng.choice([0, 1, 5, 50, vocab, vocab + 3], size=rows)
+    top_ps = np.where(rng.random(rows) < 0.25, 1.0, rng.uniform(0.01, 0.99, size=rows)).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, top_k=int(k) or -1, top_p=float(p)) for k, p in zip(top_ks, top_ps)]
+    kept = np.isfinite(np.asarray(draw_logits(logits, build(params))))
+    for r in range(rows):
+        np.testing.assert_array_equal(kept[r], kept_by_sorting(logits[r], top_ks[r], top_ps[r]),
+                                      err_msg=f"row {r}: top_k {top_ks[r]}, top_p {top_ps[r]}")
 
 
 # --- penalties and min_tokens ---------------------------------------------------------------------
