@@ -35,8 +35,10 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
+import cProfile  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import pstats  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -84,9 +86,20 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 2)
 
 
-def part_w1(model_path: str | None, workload: str, sizes: Sizes, *, tiny: bool) -> list[Result]:
+def host_profile(path: str, run) -> None:
+    """run() once more under cProfile: its stats to path, its 25 costliest functions (own time) printed.
+    A GPU's step is mostly the host's work, and this says which."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    profiler.dump_stats(path)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def part_w1(model_path: str | None, workload: str, sizes: Sizes, *, tiny: bool,
+            profile_path: str | None = None) -> list[Result]:
     """W1 as bench_throughput.py runs it (a warm-up run, then one timed LLM.generate from an empty prefix
-    cache), in bfloat16; PASS when every request produced all its tokens."""
+    cache), in bfloat16; PASS when every request produced all its tokens. profile_path: then the
+    one-step-a-dispatch run again under cProfile (host_profile)."""
     if model_path:
         loaded = models.load_model(model_path, dtype=jnp.bfloat16)
         model, config, tokenizer, name = loaded.model, loaded.config, loaded.tokenizer, model_path
@@ -116,6 +129,8 @@ def part_w1(model_path: str | None, workload: str, sizes: Sizes, *, tiny: bool) 
                    "compiles_after_warmup": after.num_compiles - before.num_compiles, "kv_blocks": after.num_blocks}
         results.append(Result(f"w1_steps{steps_per_dispatch}",
                               produced == sum(r["max_new_tokens"] for r in requests), figures))
+        if profile_path and steps_per_dispatch == 1:
+            host_profile(profile_path, lambda: bench_throughput.run_once(engine, requests, params))
     return results
 
 
@@ -234,6 +249,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="W1's model (a path; default: random weights of SmolLM2's shape)")
     p.add_argument("--workload", default=str(bench_throughput.DEFAULT_WORKLOAD),
                    help="W1 by default (made from its recipe where the file is missing)")
+    p.add_argument("--host-profile", default=None, metavar="PATH",
+                   help="w1: then its run once more under cProfile, the stats written to PATH")
     args = p.parse_args(argv)
     args.parts = args.parts.split(",")
     if unknown := set(args.parts) - set(PARTS):
@@ -254,7 +271,7 @@ def main(argv=None) -> int:
           flush=True)
     built = functools.cache(lambda: llama8b_engine(sizes, tiny=tiny))  # llama8b's and hf's
     parts = {
-        "w1": lambda: part_w1(args.model, args.workload, sizes, tiny=tiny),
+        "w1": lambda: part_w1(args.model, args.workload, sizes, tiny=tiny, profile_path=args.host_profile),
         "sweep": lambda: [sweep_knobs(n, c, sizes.knobs, interpret=interpret, repeats=sizes.repeats)
                           for n, c in sizes.sweep],
         "llama8b": lambda: part_llama8b(built, sizes, tiny=tiny),
