@@ -96,7 +96,7 @@ def host_profile(path: str, run) -> None:
 
 
 def part_w1(model_path: str | None, workload: str, sizes: Sizes, *, tiny: bool,
-            profile_path: str | None = None) -> list[Result]:
+            profile_path: str | None = None, steps_per_dispatch=(1, 8)) -> list[Result]:
     """W1 as bench_throughput.py runs it (a warm-up run, then one timed LLM.generate from an empty prefix
     cache), in bfloat16; PASS when every request produced all its tokens. profile_path: then the
     one-step-a-dispatch run again under cProfile (host_profile)."""
@@ -110,26 +110,27 @@ def part_w1(model_path: str | None, workload: str, sizes: Sizes, *, tiny: bool,
         argparse.Namespace(workload=workload, num_requests=sizes.w1_requests))
     options = bench_throughput.parse_args([])  # its engine options' defaults
     results = []
-    for steps_per_dispatch in (1, 8):  # one decode step a dispatch, and multi-step decode (multi_step.py)
+    for per_dispatch in steps_per_dispatch:  # one decode step a dispatch, and multi-step decode (multi_step.py)
         engine = LLMEngine(model, config, tokenizer, EngineConfig(
             dtype="bfloat16", max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-            kv_cache_memory_bytes=W1_KV_BYTES, num_scheduler_steps=steps_per_dispatch))
+            kv_cache_memory_bytes=W1_KV_BYTES, num_scheduler_steps=per_dispatch))
         steps = []
         engine.runner.step_observers.append(steps.append)
-        bench_throughput.run_workload(engine, requests, params)  # compiles every shape W1 meets
+        warm_up = bench_throughput.run_workload(engine, requests, params).elapsed  # compiles every shape W1 meets
         before = engine.stats()
+        print(f"      (w1 steps {per_dispatch}: warm-up run {warm_up:.1f} s, {before.num_compiles} compiles)", flush=True)
         steps.clear()
         elapsed, produced = bench_throughput.run_once(engine, requests, params)
         after = engine.stats()
         device = after.device_seconds - before.device_seconds
-        figures = {"model": name, "num_scheduler_steps": steps_per_dispatch,
+        figures = {"model": name, "num_scheduler_steps": per_dispatch,
                    "output_tokens_per_s": round(produced / elapsed, 1), "wall_s": round(elapsed, 2),
                    "output_tokens": produced, "dispatches": len(steps), "dispatch_wall_ms": _ms(elapsed / len(steps)),
                    "dispatch_device_ms": _ms(device / len(steps)), "device_share": round(device / elapsed, 3),
                    "compiles_after_warmup": after.num_compiles - before.num_compiles, "kv_blocks": after.num_blocks}
-        results.append(Result(f"w1_steps{steps_per_dispatch}",
+        results.append(Result(f"w1_steps{per_dispatch}",
                               produced == sum(r["max_new_tokens"] for r in requests), figures))
-        if profile_path and steps_per_dispatch == 1:
+        if profile_path and per_dispatch == 1:
             host_profile(profile_path, lambda: bench_throughput.run_once(engine, requests, params))
     return results
 
@@ -249,6 +250,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="W1's model (a path; default: random weights of SmolLM2's shape)")
     p.add_argument("--workload", default=str(bench_throughput.DEFAULT_WORKLOAD),
                    help="W1 by default (made from its recipe where the file is missing)")
+    p.add_argument("--w1-requests", type=int, default=None, help="W1's first N requests only")
+    p.add_argument("--w1-steps", default="1,8", help="w1: the decode steps a dispatch to run, comma-separated")
     p.add_argument("--host-profile", default=None, metavar="PATH",
                    help="w1: then its run once more under cProfile, the stats written to PATH")
     args = p.parse_args(argv)
@@ -267,11 +270,14 @@ def main(argv=None) -> int:
         return 1
     tiny, interpret = args.platform == "cpu", args.platform != "gpu"
     sizes = QUICK if args.quick else FULL
+    if args.w1_requests:
+        sizes = dataclasses.replace(sizes, w1_requests=args.w1_requests)
     print(f"jax {jax.__version__}; on {device.device_kind} ({device.platform}); parts {', '.join(args.parts)}",
           flush=True)
     built = functools.cache(lambda: llama8b_engine(sizes, tiny=tiny))  # llama8b's and hf's
     parts = {
-        "w1": lambda: part_w1(args.model, args.workload, sizes, tiny=tiny, profile_path=args.host_profile),
+        "w1": lambda: part_w1(args.model, args.workload, sizes, tiny=tiny, profile_path=args.host_profile,
+                              steps_per_dispatch=[int(n) for n in args.w1_steps.split(",")]),
         "sweep": lambda: [sweep_knobs(n, c, sizes.knobs, interpret=interpret, repeats=sizes.repeats)
                           for n, c in sizes.sweep],
         "llama8b": lambda: part_llama8b(built, sizes, tiny=tiny),

@@ -17,9 +17,12 @@ each is what it is:
 - Q, the static bound on one sequence's new tokens: the Pallas kernel's grid needs it (bucketed); the
   XLA path reads only whether some row has more than one token (1 or T); the CPU kernel reads each
   row's length at run time (always T).
-- S, the sampled rows: the lm_head costs as much for a padded row as for a real one (most of a
-  millisecond each on the CPU), so S is a fine bucket (powers of two and the midpoints between them)
-  up to max_num_seqs; the model call hands the head a fixed max_num_seqs rows to take them from.
+- S, the sampled rows: on the CPU the lm_head costs as much for a padded row as for a real one (most
+  of a millisecond each), so S is a fine bucket (powers of two and the midpoints between them) up to
+  max_num_seqs. On a GPU a padded row costs next to nothing (the head reads its weights once for all
+  rows) while each program costs seconds to compile (6.4 s for SmolLM2's head and sampler on an H100,
+  docs/gpu.md), so S is a power of two there: 7 row counts up to 64, not 12. The model call hands the
+  head a fixed max_num_seqs rows to take them from.
 
 Id lists of the block pool's calls and of KV-block copies are padded to fixed widths too
 (block_manager.py, model_runner.py).
@@ -81,18 +84,20 @@ class StepBuckets:
         return min(self.max_num_seqs * (1 + self.max_drafts), self.max_num_batched_tokens)
 
     @property
-    def _fine_tokens(self) -> bool:
+    def _fine(self) -> bool:
+        """Whether T and S are fine buckets: on the CPU's kernels, where padding costs what real work
+        does; not for the Pallas kernel (a GPU), where programs are few and padding nearly free."""
         return _QUERY_LEN.get(self.attention_backend, "bucketed") != "bucketed"
 
     def token_bucket(self, num_tokens: int) -> int:
         """T for a step of num_tokens new tokens."""
         n = max(num_tokens, MIN_TOKENS)
-        return fine_bucket(n) if self._fine_tokens else bucket(n)
+        return fine_bucket(n) if self._fine else bucket(n)
 
     def token_buckets(self) -> list[int]:
         top = self.token_bucket(self.max_num_batched_tokens)
         powers = [1 << k for k in range(MIN_TOKENS.bit_length() - 1, top.bit_length())]
-        if self._fine_tokens:
+        if self._fine:
             powers += [p * 3 // 2 for p in powers]
         return sorted(t for t in set(powers) if t <= top)
 
@@ -125,7 +130,7 @@ class StepBuckets:
         """S, the sampler's rows for num_seqs sampled sequences."""
         if num_seqs > self.num_head_rows:
             raise ValueError(f"{num_seqs} sequences in a step, over max_num_seqs ({self.max_num_seqs})")
-        return min(fine_bucket(num_seqs), self.num_head_rows)
+        return min((fine_bucket if self._fine else bucket)(num_seqs), self.num_head_rows)
 
     def all_sample_rows(self) -> list[int]:
         return sorted({self.sample_rows(n) for n in range(1, self.num_head_rows + 1)})

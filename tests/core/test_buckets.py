@@ -63,6 +63,10 @@ def test_sample_rows_cover_every_count_up_to_max_num_seqs():
         buckets.sample_rows(51)
     # Never more rows than a step has tokens.
     assert StepBuckets(16, 64, 8, "cpu").all_sample_rows()[-1] == 16
+    # The Pallas kernel's (a GPU's): powers of two, each count still covered.
+    gpu = StepBuckets(512, 50, 32, "pallas")
+    assert gpu.all_sample_rows() == [1, 2, 4, 8, 16, 32, 50]
+    assert all(gpu.sample_rows(n) == min(r for r in gpu.all_sample_rows() if r >= n) for n in range(1, 51))
 
 
 def test_few_shapes_for_any_limits():
