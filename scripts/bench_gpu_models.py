@@ -184,14 +184,15 @@ def scheduled_batch(num_seqs: int, context: int, new: int, *, vocab: int, block_
 def random_pages(kv_cache):
     """The cache (a KVCache, donated) with normal(0, 1) in every page: the contexts a timed decode step
     attends over were never written by a step (on the CPU the pool is unwritten memory, NaN at times).
-    Committed to the cache's device, as the runner's is: an uncommitted cache compiles the step again."""
-    def draw(kv_cache):
-        pages, tree = jax.tree.flatten(kv_cache)
-        keys = jax.random.split(jax.random.key(0), len(pages))
-        return jax.tree.unflatten(tree, [jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, pages)])
+    Committed to the cache's device, as the runner's is: an uncommitted cache compiles the step again.
 
-    sharding = jax.tree.leaves(kv_cache)[0].sharding
-    return jax.jit(draw, donate_argnums=0, out_shardings=sharding)(kv_cache)
+    One page array at a time through one program: a single program drawing all of Llama-3.1-8B's 64
+    arrays took longer to compile on an H100 than the 250 s its part had (docs/gpu.md)."""
+    pages, tree = jax.tree.flatten(kv_cache)
+    draw = jax.jit(lambda key, p: jax.random.normal(key, p.shape, p.dtype), donate_argnums=1,
+                   out_shardings=pages[0].sharding)
+    keys = jax.random.split(jax.random.key(0), len(pages))
+    return jax.tree.unflatten(tree, [draw(k, p) for k, p in zip(keys, pages)])
 
 
 class Timing(NamedTuple):
