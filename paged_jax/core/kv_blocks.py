@@ -26,11 +26,14 @@ def copy_blocks(kv_cache: KVCache, copies: jax.Array, num_copies: jax.Array) -> 
     return jax.lax.fori_loop(0, num_copies, one, kv_cache)
 
 
-@functools.partial(jax.jit, donate_argnames=("kv_cache",))
+@functools.partial(jax.jit, donate_argnames=("kv_cache",), keep_unused=True)
 def write_every_page(kv_cache: KVCache) -> KVCache:
     """Zeros into every page, in place. A pool allocated unwritten (kernels_pallas.allocate_pages) is
     mapped by the OS block by block as steps first write it, at a fault per 4 kB page (about 5 us on the
-    2-core VMs, some 15 ms of a 277-token prompt's first step); written once before traffic, it is not."""
+    2-core VMs, some 15 ms of a 277-token prompt's first step); written once before traffic, it is not.
+    keep_unused: the pages are not read, and an argument jit prunes is neither donated (the pool would be
+    held twice) nor what makes the result committed to the pages' device (an uncommitted cache is
+    another program of every step)."""
     zeros = lambda pages: tuple(jnp.zeros_like(p) for p in pages)
     return dataclasses.replace(kv_cache, k=zeros(kv_cache.k), v=zeros(kv_cache.v))
 

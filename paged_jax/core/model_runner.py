@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas import KVCache, allocate_pages, init_kv_cache
 from models import sharding
-from paged_jax.core import distributed, kv_blocks, multi_step, packing, sampling, sampling_tensors
+from paged_jax.core import distributed, kv_blocks, multi_step, packing, parallel_compile, sampling, sampling_tensors
 from paged_jax.core.batch import StepInput
 from paged_jax.core.buckets import pad_ids
 from paged_jax.core.resolve import ResolvedConfig
@@ -195,30 +195,43 @@ class ModelRunner:
                     for params in (SamplingParams(temperature=0), SamplingParams(),
                                    SamplingParams(temperature=0, repetition_penalty=1.1),
                                    SamplingParams(repetition_penalty=1.1))]
-        for i, shape in enumerate(buckets.shapes()):
-            for j, step_input in enumerate(self.inputs.padding(shape)):
+        forms = [self.inputs.padding(shape) for shape in buckets.shapes()]
+        runs = self._warm_decode_runs() if self.max_decode_steps > 1 else []
+        # The costly programs compiled side by side first; the calls below then find them made. The
+        # samplers' input is a model call's output, shaped and placed as the first program says.
+        compiled = parallel_compile.compile_all(
+            [step.lower(*a, **k) for a, k in map(self._step_args, sum(forms, []))]
+            + [multi_step.decode_steps.lower(*a, **k) for a, k in map(self.decode_args, runs)])
+        hidden = jax.device_put(np.zeros(compiled[0].out_info[0].shape, compiled[0].out_info[0].dtype),
+                                compiled[0].output_shardings[0])
+        parallel_compile.compile_all([sample_step.lower(*a, **k)
+                                      for a, k in (self.sample_args(hidden, t) for t in samplers)])
+        for i, step_inputs in enumerate(forms):
+            for j, step_input in enumerate(step_inputs):
                 self.warm_step(step_input, samplers if i == j == 0 else [])
         # The step's previous tokens are a sample_step output from here on; warm_step ran on the first
         # ones (_previous), placed where those outputs are, so no program is made twice.
         self.collect(self.dispatch_step(np.zeros((1, 2), np.int32), self.inputs.padding(buckets.shapes()[0])[0],
                                         samplers[0]))
-        if self.max_decode_steps > 1:
-            self._warm_decode_runs()
+        for run in runs:
+            self.collect(self.dispatch_decode(run))
         self.swap_in(self.swap_out([0]), [self.resolved.num_blocks])
         if self.adapters is not None:
             self.adapters.warm_up()
 
-    def _warm_decode_runs(self) -> None:
-        """Every multi-step program: a decode step's shape and sampler rows for each number of rows,
-        greedy and drawing at random (penalties never run several steps), on padding rows that run none."""
+    def _warm_decode_runs(self) -> list[multi_step.DecodeRun]:
+        """A run of every multi-step program: a decode step's shape and sampler rows for each number of
+        rows, greedy and drawing at random (penalties never run several steps), on padding rows that run none."""
         buckets = self.resolved.buckets
         pairs = dict.fromkeys((buckets.shape(rows, 1), buckets.sample_rows(rows))
                               for rows in range(1, buckets.num_head_rows + 1))
+        runs = []
         for shape, rows in pairs:
             for params in (SamplingParams(temperature=0), SamplingParams()):
                 tensors = self.inputs.sampling([params] * rows, [0] * rows, [[0]] * rows, [[]] * rows)
-                run = self.inputs.padded_decode_run(self.inputs.padding(shape)[0], tensors, [0] * rows, [False] * rows)
-                self.collect(self.dispatch_decode(run))
+                runs.append(self.inputs.padded_decode_run(self.inputs.padding(shape)[0], tensors, [0] * rows,
+                                                          [False] * rows))
+        return runs
 
     @distributed.replicated
     def warm_step(self, step_input: StepInput, samplers: list[sampling_tensors.SamplingTensors]) -> None:

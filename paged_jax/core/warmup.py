@@ -4,7 +4,8 @@ compiles once a server says it is ready.
 buckets.py lists the shapes (a few dozen, from the engine's limits); the runner runs each once on
 padding that writes no KV (model_runner.ModelRunner.warm_up), and the block manager makes its pool
 calls' programs. Each program is compiled, or loaded from the persistent compilation cache when an
-earlier run made it: a cold start compiles, a warm one loads.
+earlier run made it: a cold start compiles, a warm one loads. The model call's and the sampler's
+programs are compiled side by side first, one per core (parallel_compile.py).
 
 A server warms up before it reports ready (serving/async_engine.py). The offline `LLM` does not: a
 batch job compiles the shapes it meets as it meets them, which is never more than warming up all of

@@ -9,7 +9,7 @@ import pytest
 
 from models import load_model
 from paged_jax import LLM, EngineConfig, LLMEngine, SamplingParams
-from paged_jax.core import compiles, warmup
+from paged_jax.core import compiles, parallel_compile, warmup
 
 LIMITS = dict(block_size=8, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)
 
@@ -27,6 +27,20 @@ def test_a_program_loaded_or_compiled_is_counted():
     before = compiles.count()
     jax.jit(lambda x: x * 3 + 1)(np.arange(7))  # a program no one made before
     assert compiles.count() == before + 1 and compiles.seconds() > 0
+
+
+def test_programs_compiled_side_by_side_are_the_ones_the_warm_up_runs(tiny, monkeypatch):
+    """parallel_compile.py compiles the step's programs before the warm-up calls them: the calls must find
+    them made (a cache committed elsewhere, or a sampler input placed elsewhere, would make each twice).
+    The same engine warmed up twice, jit's caches emptied before each (a program loaded from the
+    persistent cache counts as one made): compiling ahead makes no more programs than not doing so."""
+    made = []
+    for ahead in (True, False):
+        if not ahead:  # but the first program, whose output says where the samplers' input lies
+            monkeypatch.setattr(parallel_compile, "compile_all", lambda lowered: [p.compile() for p in lowered[:1]])
+        jax.clear_caches()
+        made.append(warmup.warm_up(make_engine(tiny, num_scheduler_steps=4)).num_programs)
+    assert made[0] == made[1]
 
 
 def workload(vocab: int, max_model_len: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
