@@ -133,7 +133,7 @@ class Attention(nnx.Module):
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...]
         if lora is not None:  # after the bias, as PEFT adds it to the base layer's output
-            dq, dk, dv = lora.delta("qkv", x)
+            dq, dk, dv = lora.delta("qkv", x, rows)
             kv_heads = (x.shape[0], c.num_kv_heads, 1, c.head_dim)
             qkv = qkv + jnp.concatenate([dq.reshape(x.shape[0], c.num_kv_heads, g, c.head_dim), dk.reshape(kv_heads),
                                          dv.reshape(kv_heads)], axis=2)
@@ -161,7 +161,7 @@ class Attention(nnx.Module):
         projected = linear(out, self.o[...], (c.hidden_size,), self.packed, rows, value(self.o_panels),
                            self.onednn_rows)
         if lora is not None:
-            projected = projected + lora.delta("o", out)[0]
+            projected = projected + lora.delta("o", out, rows)[0]
         return projected, k_pages, v_pages
 
 
@@ -184,8 +184,8 @@ class MLP(nnx.Module):
         gate_up = linear(x, self.gate_up[...], (2, c.intermediate_size), self.packed, rows,
                          value(self.gate_up_panels), self.onednn_rows)
         if lora is not None:
-            gate_up = gate_up + jnp.stack(lora.delta("gate_up", x), axis=1)
+            gate_up = gate_up + jnp.stack(lora.delta("gate_up", x, rows), axis=1)
         hidden = ACTIVATIONS[c.hidden_act](gate_up[:, 0]) * gate_up[:, 1]
         out = linear(hidden, self.down[...], (c.hidden_size,), self.packed, rows, value(self.down_panels),
                      self.onednn_rows)
-        return out if lora is None else out + lora.delta("down", hidden)[0]
+        return out if lora is None else out + lora.delta("down", hidden, rows)[0]

@@ -16,6 +16,9 @@ adapters the step uses. Zeros add exactly, so a row's delta is its own adapter's
 
 Projections that share an input share one A matmul: q/k/v (the fused qkv of layers.Attention) and
 gate/up (layers.MLP's gate_up); each part keeps its own B, so nothing block-diagonal is multiplied.
+
+Beside a model packed for the C++ CPU matmul, the slots are packed too (LoRAProjection's packed layout)
+and a step of few rows multiplies them with that kernel, as the base weights are.
 """
 
 import dataclasses
@@ -24,8 +27,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
+from kernels_pallas.cpu.packing import PANEL, pack_columns
+from models import layers
 from models.config import ModelConfig
+
+# Steps of fewer rows than this multiply the packed slots with the C++ kernel; larger ones with XLA's dot
+# over an unpacked copy. At 16 rows (decode) the kernel took the delta from 1.41x the base step to 1.21x;
+# at 512 (prefill) XLA's dot is the faster (1.07-1.17x against 1.20-1.23x; scripts/bench_lora.py, loaded
+# Xeon 6/207), as linear.cc leaves its FMA tiles for the tile unit from 64 rows.
+PACKED_MAX_ROWS = 64
 
 # The fused projections of a layer and the Hugging Face modules each one computes, in its output order.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -49,21 +61,63 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoRAProjection:
-    """Every slot's adapter for one fused projection of one layer.
+    """Every slot's adapter for one fused projection of one layer, in XLA's layout or the C++ matmul's.
 
-    a: [in, max_loras, parts, max_rank], each part's A (x @ a[:, s, p] is part p's rank activations).
-    b: one [max_loras, max_rank, out_p] per part, scale folded in.
+    XLA's (packed False):
+      a: [in, max_loras, parts, max_rank], each part's A (x @ a[:, s, p] is part p's rank activations).
+      b: one [max_loras, max_rank, out_p] per part, scale folded in.
+    Packed (float32, multiplied by kernels_pallas/cpu/linear.cc as the packed base weights are: XLA's dot
+    repacks its weight on every call, which cost a decode step more than the LoRA weights' reading):
+      a: [max_loras, panels, in, PANEL], slot s's A as pack_columns of its [in, parts * max_rank] (slots
+          apart, so that a slot is loaded or gathered whole; the zero columns padding a slot to whole panels
+          are computed and dropped).
+      b: one [ceil(out_p / PANEL), max_loras, max_rank, PANEL] per part: pack_columns of [max_loras *
+          max_rank, out_p].
+    out: each part's out_p.
     """
 
     a: jax.Array
     b: tuple[jax.Array, ...]
+    out: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
-    def delta(self, x: jax.Array, onehot: jax.Array) -> tuple[jax.Array, ...]:
+    @property
+    def slots(self) -> int:
+        return self.a.shape[0 if self.packed else 1]
+
+    @property
+    def rank(self) -> int:
+        return self.b[0].shape[2 if self.packed else 1]
+
+    def take(self, index: jax.Array) -> "LoRAProjection":
+        """The slots index (int32 [U], 0-based) alone, in their order."""
+        a_axis, b_axis = (0, 1) if self.packed else (1, 0)
+        return dataclasses.replace(self, a=jnp.take(self.a, index, axis=a_axis),
+                                   b=tuple(jnp.take(b, index, axis=b_axis) for b in self.b))
+
+    def delta(self, x: jax.Array, onehot: jax.Array, rows=None) -> tuple[jax.Array, ...]:
         """x: [num_tokens, in]; onehot: [num_tokens, max_loras] in x's dtype, row t's slot s >= 1 at s - 1
-        (all zeros: the base model). Returns each part's delta [num_tokens, out_p]."""
-        k, n, parts, r = self.a.shape
-        h = jnp.dot(x, self.a.reshape(k, n * parts * r)).reshape(-1, n, parts, r) * onehot[:, :, None, None]
-        return tuple(jnp.dot(h[:, :, p].reshape(-1, n * r), b.reshape(n * r, -1)) for p, b in enumerate(self.b))
+        (all zeros: the base model); rows: int32 scalar, the leading rows that are real tokens (the packed
+        form skips the rest, its delta zeros there), or None: all. Returns each part's delta [num_tokens, out_p]."""
+        n, parts, r = self.slots, len(self.b), self.rank
+        if self.packed and x.shape[0] < PACKED_MAX_ROWS:
+            _, panels, k, width = self.a.shape
+            h = layers.linear(x, self.a.reshape(n * panels, k, width), (n, panels * width), True, rows)
+            h = h[:, :, : parts * r].reshape(-1, n, parts, r) * onehot[:, :, None, None]
+            return tuple(layers.linear(h[:, :, p].reshape(-1, n * r), b.reshape(b.shape[0], n * r, width), (out,),
+                                       True, rows) for p, (b, out) in enumerate(zip(self.b, self.out, strict=True)))
+        a, bs = self._unpacked() if self.packed else (self.a, self.b)
+        k = a.shape[0]
+        h = jnp.dot(x, a.reshape(k, n * parts * r)).reshape(-1, n, parts, r) * onehot[:, :, None, None]
+        return tuple(jnp.dot(h[:, :, p].reshape(-1, n * r), b.reshape(n * r, -1)) for p, b in enumerate(bs))
+
+    def _unpacked(self) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """The packed weights in XLA's layout (a copy, small beside the many-row step that wants it)."""
+        n, panels, k, width = self.a.shape
+        parts, r = len(self.b), self.rank
+        a = self.a.transpose(2, 0, 1, 3).reshape(k, n, panels * width)[:, :, : parts * r].reshape(k, n, parts, r)
+        b = tuple(b.transpose(1, 2, 0, 3).reshape(n, r, -1)[:, :, :out] for b, out in zip(self.b, self.out, strict=True))
+        return a, b
 
 
 @jax.tree_util.register_dataclass
@@ -74,9 +128,10 @@ class LayerLoRA:
     projections: dict[str, LoRAProjection]  # GROUPS' names
     onehot: jax.Array  # [num_tokens, max_loras], the activations' dtype
 
-    def delta(self, group: str, x: jax.Array) -> tuple[jax.Array, ...]:
-        """The delta of projection `group` (a GROUPS name) on its input x [num_tokens, in], one per part."""
-        return self.projections[group].delta(x, self.onehot)
+    def delta(self, group: str, x: jax.Array, rows=None) -> tuple[jax.Array, ...]:
+        """The delta of projection `group` (a GROUPS name) on its input x [num_tokens, in], one per part;
+        rows as LoRAProjection.delta's."""
+        return self.projections[group].delta(x, self.onehot, rows)
 
 
 @jax.tree_util.register_dataclass
@@ -108,37 +163,39 @@ class LoRAWeights:
 
     @property
     def max_loras(self) -> int:
-        return self.layers[0]["o"].a.shape[1]
-
-    @property
-    def max_rank(self) -> int:
-        return self.layers[0]["o"].a.shape[3]
+        return self.layers[0]["o"].slots
 
     def for_step(self, rows: LoRARows, dtype) -> tuple[LayerLoRA, ...]:
         """Each layer's LayerLoRA for a step whose rows are `rows`, its one-hot in dtype."""
         used = rows.slots.shape[0]
         onehot = (rows.index[:, None] == jnp.arange(used)).astype(dtype)
-        layers = self.layers
+        by_layer = self.layers
         if used != self.max_loras:
             index = jnp.maximum(rows.slots - 1, 0)
-            take = lambda p: LoRAProjection(jnp.take(p.a, index, axis=1), tuple(jnp.take(b, index, axis=0) for b in p.b))
-            layers = tuple({g: take(p) for g, p in layer.items()} for layer in layers)
-        return tuple(LayerLoRA(projections, onehot) for projections in layers)
+            by_layer = tuple({g: p.take(index) for g, p in layer.items()} for layer in by_layer)
+        return tuple(LayerLoRA(projections, onehot) for projections in by_layer)
 
 
-def _projection(config: ModelConfig, group: str, make, lead: tuple[int, ...], rank: int) -> LoRAProjection:
+def _projection(config: ModelConfig, group: str, max_loras: int, rank: int, dtype, packed: bool) -> LoRAProjection:
+    """Empty slots (zeros) of one fused projection, in either layout."""
     modules = GROUPS[group]
-    fan_in = module_shape(config, modules[0])[0]
-    return LoRAProjection(make((fan_in, *lead, len(modules), rank)),
-                          tuple(make((*lead, rank, module_shape(config, m)[1])) for m in modules))
+    fan_in, out = module_shape(config, modules[0])[0], tuple(module_shape(config, m)[1] for m in modules)
+    if packed:
+        a = (max_loras, pl.cdiv(len(modules) * rank, PANEL), fan_in, PANEL)
+        b = tuple((pl.cdiv(o, PANEL), max_loras, rank, PANEL) for o in out)
+    else:
+        a, b = (fan_in, max_loras, len(modules), rank), tuple((max_loras, rank, o) for o in out)
+    return LoRAProjection(jnp.zeros(a, dtype), tuple(jnp.zeros(shape, dtype) for shape in b), out, packed)
 
 
-def empty(config: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32) -> LoRAWeights:
-    """max_loras empty slots (zeros) of rank max_rank for every layer and projection of this config."""
+def empty(config: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32, packed: bool = False) -> LoRAWeights:
+    """max_loras empty slots (zeros) of rank max_rank for every layer and projection of this config; packed:
+    in the C++ matmul's layout (LoRAProjection), for a model packed for it (float32 only)."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be at least 1")
-    make = lambda shape: jnp.zeros(shape, dtype)
-    return LoRAWeights(tuple({g: _projection(config, g, make, (max_loras,), max_rank) for g in GROUPS}
+    if packed and jnp.dtype(dtype) != jnp.float32:
+        raise ValueError(f"packed LoRA slots are float32, not {jnp.dtype(dtype).name}")
+    return LoRAWeights(tuple({g: _projection(config, g, max_loras, max_rank, dtype, packed) for g in GROUPS}
                              for _ in range(config.num_layers)))
 
 
@@ -167,10 +224,10 @@ def host_slot(config: ModelConfig, max_rank: int, modules: dict[tuple[int, str],
     """One adapter's host arrays for `load_into`. modules: (layer, Hugging Face module name) -> (A [r, in],
     B [out, r]) as PEFT stores them, r <= max_rank. Only copies of whole rows: the transposes, the scale
     and the cast to the slots' dtype are load_into's, on the device."""
-    layers = config.num_layers
-    a = {g: np.zeros((layers, len(names), max_rank, module_shape(config, names[0])[0]), np.float32)
+    num_layers = config.num_layers
+    a = {g: np.zeros((num_layers, len(names), max_rank, module_shape(config, names[0])[0]), np.float32)
          for g, names in GROUPS.items()}
-    b = {g: tuple(np.zeros((layers, module_shape(config, n)[1], max_rank), np.float32) for n in names)
+    b = {g: tuple(np.zeros((num_layers, module_shape(config, n)[1], max_rank), np.float32) for n in names)
          for g, names in GROUPS.items()}
     for (i, name), (lora_a, lora_b) in modules.items():
         group, p = _PLACES[name]
@@ -188,10 +245,16 @@ def load_into(weights: LoRAWeights, slot: jax.Array, adapter: HostAdapter) -> Lo
     index = slot - 1
 
     def put(group: str, old: LoRAProjection, i: int) -> LoRAProjection:
-        a = jnp.transpose(adapter.a[group][i], (2, 0, 1))  # [in, parts, max_rank]
-        new_a = jax.lax.dynamic_update_index_in_dim(old.a, a.astype(old.a.dtype), index, axis=1)
-        new_b = tuple(jax.lax.dynamic_update_index_in_dim(ob, (part[i] * adapter.scale).T.astype(ob.dtype), index, axis=0)
-                      for ob, part in zip(old.b, adapter.b[group], strict=True))
-        return LoRAProjection(new_a, new_b)
+        a = adapter.a[group][i]  # [parts, max_rank, in]
+        if old.packed:
+            a = pack_columns(a.reshape(-1, a.shape[-1]).T)  # [panels, in, PANEL]
+            b = [pack_columns((part[i] * adapter.scale).T) for part in adapter.b[group]]  # [panels, max_rank, PANEL]
+        else:
+            a, b = jnp.transpose(a, (2, 0, 1)), [(part[i] * adapter.scale).T for part in adapter.b[group]]
+        a_axis, b_axis = (0, 1) if old.packed else (1, 0)
+        new_a = jax.lax.dynamic_update_index_in_dim(old.a, a.astype(old.a.dtype), index, axis=a_axis)
+        new_b = tuple(jax.lax.dynamic_update_index_in_dim(ob, part.astype(ob.dtype), index, axis=b_axis)
+                      for ob, part in zip(old.b, b, strict=True))
+        return dataclasses.replace(old, a=new_a, b=new_b)
 
     return LoRAWeights(tuple({g: put(g, layer[g], i) for g in GROUPS} for i, layer in enumerate(weights.layers)))

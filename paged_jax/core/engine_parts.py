@@ -58,7 +58,8 @@ def build_parts(model, model_config, config: EngineConfig) -> EngineParts:
             raise ValueError("multi-step decode does not run LoRA adapters yet: enable_lora needs "
                              "num_scheduler_steps 1")
         adapters = AdapterSlots(model_config, config.max_loras, config.max_lora_rank,
-                                config.max_cpu_loras or config.max_loras, weights_dtype)
+                                config.max_cpu_loras or config.max_loras, weights_dtype,
+                                packed=resolved.matmul_backend == "cpu")
     if config.speculative_config is not None and resolved.kv_groups.num_groups > 1:
         # A verify step's rejected blocks are given back from block_ids alone (speculator.settle).
         raise ValueError("speculative decoding does not support KV kept in several groups (a model with "

@@ -39,9 +39,10 @@ def base(request, tiny_checkpoint, tmp_path_factory):
     return model, config, hf_model, adapters
 
 
-def slots_with(config, adapters, order) -> lora.LoRAWeights:
-    """Empty slots with adapters[order[s - 1]] read from its folder into slot s."""
-    weights = lora.empty(config, MAX_LORAS, MAX_RANK)
+def slots_with(config, adapters, order, packed: bool = False) -> lora.LoRAWeights:
+    """Empty slots (in the C++ matmul's layout where packed) with adapters[order[s - 1]] read from its folder
+    into slot s."""
+    weights = lora.empty(config, MAX_LORAS, MAX_RANK, packed=packed)
     for slot, name in enumerate(order, start=1):
         read = peft_adapter.read(adapters[name][0], config)
         weights = lora.load_into(weights, np.int32(slot), lora.host_slot(config, MAX_RANK, read.modules, read.scale))
@@ -72,12 +73,13 @@ MIXED = (None, "qv", "all_rslora", "mlp_layer1")
 
 @pytest.mark.parametrize("packed", (False, True), ids=("xla_matmul", "packed"))
 def test_mixed_batch_logits_match_peft(base, packed):
+    """One step of 71 rows: where packed, from lora.PACKED_MAX_ROWS, by XLA's dot over the slots unpacked."""
     model, config, hf_model, adapters = base
     model = model.pack_for_cpu() if packed else model
     graphdef, state = nnx.split(model)
     seq_slots = [0 if name is None else ORDER.index(name) + 1 for name in MIXED]
-    forward = forward_with(graphdef, slots_with(config, adapters, ORDER), seq_slots)
-    prompts = random_prompts(config, (7, 13, 30, 11))
+    forward = forward_with(graphdef, slots_with(config, adapters, ORDER, packed), seq_slots)
+    prompts = random_prompts(config, (7, 13, 30, 21))
     for name, prompt, got in zip(MIXED, prompts, ragged_logits(forward, state, config, prompts), strict=True):
         reference = hf_model if name is None else adapters[name][1]
         with torch.no_grad():
@@ -87,12 +89,15 @@ def test_mixed_batch_logits_match_peft(base, packed):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), name
 
 
-def test_mixed_batch_greedy_matches_peft(base):
-    """Prompts in chunks of 5 beside other sequences' decode tokens, every sequence on its own slot."""
+@pytest.mark.parametrize("packed", (False, True), ids=("xla_matmul", "packed"))
+def test_mixed_batch_greedy_matches_peft(base, packed):
+    """Prompts in chunks of 5 beside other sequences' decode tokens, every sequence on its own slot (steps of
+    few rows: where packed, the C++ kernel's)."""
     model, config, hf_model, adapters = base
+    model = model.pack_for_cpu() if packed else model
     graphdef, state = nnx.split(model)
     seq_slots = [0 if name is None else ORDER.index(name) + 1 for name in MIXED]
-    forward = forward_with(graphdef, slots_with(config, adapters, ORDER), seq_slots)
+    forward = forward_with(graphdef, slots_with(config, adapters, ORDER, packed), seq_slots)
     prompts = random_prompts(config, (9, 23, 14, 17))
     got = paged_greedy(forward, state, config, prompts, block_size=4, chunk_size=5)
     want = [hf_greedy(hf_model if name is None else adapters[name][1], p, GREEDY_STEPS)
@@ -101,12 +106,13 @@ def test_mixed_batch_greedy_matches_peft(base):
     assert want[1] != hf_greedy(hf_model, prompts[1], GREEDY_STEPS)  # the adapter changes the tokens
 
 
-def test_loading_compiles_once_and_zeros_free_a_slot(base):
+@pytest.mark.parametrize("packed", (False, True), ids=("xla_matmul", "packed"))
+def test_loading_compiles_once_and_zeros_free_a_slot(base, packed):
     """Every adapter into every slot is one program; loading zeros gives the base model back."""
     model, config, hf_model, adapters = base
-    weights = slots_with(config, adapters, ORDER)
+    weights = slots_with(config, adapters, ORDER, packed)
     compiled = lora.load_into._cache_size()
-    weights = slots_with(config, adapters, tuple(reversed(ORDER)))
+    weights = slots_with(config, adapters, tuple(reversed(ORDER)), packed)
     zeros = lora.host_slot(config, MAX_RANK, {}, 1.0)
     for slot in range(1, MAX_LORAS + 1):
         weights = lora.load_into(weights, np.int32(slot), zeros)
@@ -148,13 +154,15 @@ def test_adapter_for_another_base_is_refused(tiny_checkpoint, tmp_path):
         peft_adapter.read(adapter, load_model(folder).config)
 
 
-def test_one_adapter_over_its_slot_alone_matches_peft(base):
+@pytest.mark.parametrize("packed", (False, True), ids=("xla_matmul", "packed"))
+def test_one_adapter_over_its_slot_alone_matches_peft(base, packed):
     """A step whose rows use one adapter (and the base model) gathers that slot alone (LoRARows of one slot)."""
     model, config, hf_model, adapters = base
+    model = model.pack_for_cpu() if packed else model
     graphdef, state = nnx.split(model)
     slot = ORDER.index("all_rslora") + 1
     one = lambda slots: lora.LoRARows(jnp.asarray([slot], jnp.int32), jnp.where(slots == slot, 0, -1))
-    forward = forward_with(graphdef, slots_with(config, adapters, ORDER), [slot, 0, slot], rows=one)
+    forward = forward_with(graphdef, slots_with(config, adapters, ORDER, packed), [slot, 0, slot], rows=one)
     prompts = random_prompts(config, (7, 13, 30))
     for name, prompt, got in zip(("all_rslora", None, "all_rslora"), prompts,
                                  ragged_logits(forward, state, config, prompts), strict=True):
