@@ -22,7 +22,7 @@ from flax import nnx
 
 import kernels_pallas
 from kernels_pallas import AttentionMetadata, cpu_kernel
-from models import rope
+from models import lora_packed, rope
 from models.config import ModelConfig
 from models.sharding import TP_AXIS, per_kv_head
 
@@ -32,20 +32,29 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], sharding: tuple, dtype) 
 
 
 def linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool, rows=None,
-           panels: jax.Array | None = None, onednn_rows: int = 0) -> jax.Array:
+           panels: jax.Array | None = None, onednn_rows: int = 0, add: tuple | None = None) -> jax.Array:
     """x: [num_tokens, K] @ w -> [num_tokens, *out_shape]. w is [K, *out_shape], or where packed its
     column panels (cpu_kernel.pack_columns of w as [K, N]; int8 ones: pack_int8), multiplied by the
     C++ kernel, which computes only the leading `rows` rows (int32 scalar: the step's real tokens;
     None: all) and gives zeros for the padding after them. panels: the same weight in oneDNN's layout
-    (cpu_kernel.pack_panels), which a step of at least onednn_rows tokens multiplies by instead."""
+    (cpu_kernel.pack_panels), which a step of at least onednn_rows tokens multiplies by instead. add: a
+    packed LoRA delta to add (lora_packed.PackedProjection.addend's), in the float32 kernel's own pass."""
+    n = math.prod(out_shape)
     if not packed:
-        return jnp.tensordot(x, w, axes=1)
+        out = jnp.tensordot(x, w, axes=1)
+        return out if add is None else lora_packed.add_product(out.reshape(-1, n), add).reshape(out.shape)
     if panels is not None and onednn_rows and x.shape[0] >= onednn_rows:
         matmul, w = cpu_kernel.linear_onednn_cpu, panels
     else:
         matmul = cpu_kernel.linear_int8_cpu if w.dtype == jnp.int8 else cpu_kernel.linear_cpu
     with jax.named_scope("matmul"):  # the profile's name for it (paged_jax/research/step_profile.py)
-        return matmul(x, w, math.prod(out_shape), rows).reshape(x.shape[0], *out_shape)
+        if add is None:
+            out = matmul(x, w, n, rows)
+        elif matmul is cpu_kernel.linear_cpu:
+            out = cpu_kernel.linear_add_cpu(x, w, n, rows, *add)
+        else:
+            out = lora_packed.add_product(matmul(x, w, n, rows), add)
+        return out.reshape(x.shape[0], *out_shape)
 
 
 def pack(param: nnx.Param, weight: jax.Array, packer=cpu_kernel.pack_columns) -> None:
@@ -128,11 +137,12 @@ class Attention(nnx.Module):
         c = self.config
         g = c.group_size
         rows = metadata.query_start_loc[-1]  # the real tokens, before the bucket's padding
+        add = lora.addend("qkv", x, rows) if lora is not None else None
         qkv = linear(x, self.qkv[...], (c.num_kv_heads, g + 2, c.head_dim), self.packed, rows,
-                     value(self.qkv_panels), self.onednn_rows)
+                     value(self.qkv_panels), self.onednn_rows, add)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...]
-        if lora is not None:  # after the bias, as PEFT adds it to the base layer's output
+        if lora is not None and add is None:  # after the bias, as PEFT adds it to the base layer's output
             dq, dk, dv = lora.delta("qkv", x, rows)
             kv_heads = (x.shape[0], c.num_kv_heads, 1, c.head_dim)
             qkv = qkv + jnp.concatenate([dq.reshape(x.shape[0], c.num_kv_heads, g, c.head_dim), dk.reshape(kv_heads),
@@ -158,9 +168,10 @@ class Attention(nnx.Module):
 
         out, k_pages, v_pages = per_kv_head(attend, mesh, kv_layout)(q, k, v, k_pages, v_pages, metadata)
         out = out.reshape(x.shape[0], -1)
+        add = lora.addend("o", out, rows) if lora is not None else None
         projected = linear(out, self.o[...], (c.hidden_size,), self.packed, rows, value(self.o_panels),
-                           self.onednn_rows)
-        if lora is not None:
+                           self.onednn_rows, add)
+        if lora is not None and add is None:
             projected = projected + lora.delta("o", out, rows)[0]
         return projected, k_pages, v_pages
 
@@ -181,11 +192,13 @@ class MLP(nnx.Module):
         config.hidden_act says). rows: int32 scalar, the leading rows that are real tokens (the packed
         matmuls skip the rest), or None: all. lora: the layer's lora.LayerLoRA, or None."""
         c = self.config
+        add = lora.addend("gate_up", x, rows) if lora is not None else None
         gate_up = linear(x, self.gate_up[...], (2, c.intermediate_size), self.packed, rows,
-                         value(self.gate_up_panels), self.onednn_rows)
-        if lora is not None:
+                         value(self.gate_up_panels), self.onednn_rows, add)
+        if lora is not None and add is None:
             gate_up = gate_up + jnp.stack(lora.delta("gate_up", x, rows), axis=1)
         hidden = ACTIVATIONS[c.hidden_act](gate_up[:, 0]) * gate_up[:, 1]
+        add = lora.addend("down", hidden, rows) if lora is not None else None
         out = linear(hidden, self.down[...], (c.hidden_size,), self.packed, rows, value(self.down_panels),
-                     self.onednn_rows)
-        return out if lora is None else out + lora.delta("down", hidden, rows)[0]
+                     self.onednn_rows, add)
+        return out if lora is None or add is not None else out + lora.delta("down", hidden, rows)[0]

@@ -27,17 +27,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 
-from kernels_pallas.cpu.packing import PANEL, pack_columns
-from models import layers
 from models.config import ModelConfig
-
-# Steps of fewer rows than this multiply the packed slots with the C++ kernel; larger ones with XLA's dot
-# over an unpacked copy. At 16 rows (decode) the kernel took the delta from 1.41x the base step to 1.21x;
-# at 512 (prefill) XLA's dot is the faster (1.07-1.17x against 1.20-1.23x; scripts/bench_lora.py, loaded
-# Xeon 6/207), as linear.cc leaves its FMA tiles for the tile unit from 64 rows.
-PACKED_MAX_ROWS = 64
+from models.lora_packed import PackedProjection, kv_heads_of, panel_parts
 
 # The fused projections of a layer and the Hugging Face modules each one computes, in its output order.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -61,63 +53,44 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoRAProjection:
-    """Every slot's adapter for one fused projection of one layer, in XLA's layout or the C++ matmul's.
+    """Every slot's adapter for one fused projection of one layer, in XLA's layout (lora_packed.py has the
+    C++ matmul's).
 
-    XLA's (packed False):
-      a: [in, max_loras, parts, max_rank], each part's A (x @ a[:, s, p] is part p's rank activations).
-      b: one [max_loras, max_rank, out_p] per part, scale folded in.
-    Packed (float32, multiplied by kernels_pallas/cpu/linear.cc as the packed base weights are: XLA's dot
-    repacks its weight on every call, which cost a decode step more than the LoRA weights' reading):
-      a: [max_loras, panels, in, PANEL], slot s's A as pack_columns of its [in, parts * max_rank] (slots
-          apart, so that a slot is loaded or gathered whole; the zero columns padding a slot to whole panels
-          are computed and dropped).
-      b: one [ceil(out_p / PANEL), max_loras, max_rank, PANEL] per part: pack_columns of [max_loras *
-          max_rank, out_p].
-    out: each part's out_p.
+    a: [in, max_loras, parts, max_rank], each part's A (x @ a[:, s, p] is part p's rank activations).
+    b: one [max_loras, max_rank, out_p] per part, scale folded in.
     """
 
     a: jax.Array
     b: tuple[jax.Array, ...]
-    out: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-    packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def slots(self) -> int:
-        return self.a.shape[0 if self.packed else 1]
-
-    @property
-    def rank(self) -> int:
-        return self.b[0].shape[2 if self.packed else 1]
+        return self.a.shape[1]
 
     def take(self, index: jax.Array) -> "LoRAProjection":
         """The slots index (int32 [U], 0-based) alone, in their order."""
-        a_axis, b_axis = (0, 1) if self.packed else (1, 0)
-        return dataclasses.replace(self, a=jnp.take(self.a, index, axis=a_axis),
-                                   b=tuple(jnp.take(b, index, axis=b_axis) for b in self.b))
+        return LoRAProjection(jnp.take(self.a, index, axis=1), tuple(jnp.take(b, index, axis=0) for b in self.b))
+
+    def put(self, a: jax.Array, b: list[jax.Array], scale: jax.Array, index: jax.Array) -> "LoRAProjection":
+        """Slot index (int32 scalar, 0-based) holding a: float32 [parts, max_rank, in] and b: each part's
+        float32 [out_p, max_rank], as PEFT stores them; B scaled by scale in float32, then cast."""
+        a = jnp.transpose(a, (2, 0, 1)).astype(self.a.dtype)  # [in, parts, max_rank]
+        return LoRAProjection(jax.lax.dynamic_update_index_in_dim(self.a, a, index, axis=1), tuple(
+            jax.lax.dynamic_update_index_in_dim(old, (part * scale).T.astype(old.dtype), index, axis=0)
+            for old, part in zip(self.b, b, strict=True)))
+
+    def addend(self, x: jax.Array, onehot: jax.Array, rows) -> None:
+        """None: this layout's delta is always `delta`'s (lora_packed.PackedProjection's may be added in the
+        base matmul's pass)."""
+        return None
 
     def delta(self, x: jax.Array, onehot: jax.Array, rows=None) -> tuple[jax.Array, ...]:
         """x: [num_tokens, in]; onehot: [num_tokens, max_loras] in x's dtype, row t's slot s >= 1 at s - 1
-        (all zeros: the base model); rows: int32 scalar, the leading rows that are real tokens (the packed
-        form skips the rest, its delta zeros there), or None: all. Returns each part's delta [num_tokens, out_p]."""
-        n, parts, r = self.slots, len(self.b), self.rank
-        if self.packed and x.shape[0] < PACKED_MAX_ROWS:
-            _, panels, k, width = self.a.shape
-            h = layers.linear(x, self.a.reshape(n * panels, k, width), (n, panels * width), True, rows)
-            h = h[:, :, : parts * r].reshape(-1, n, parts, r) * onehot[:, :, None, None]
-            return tuple(layers.linear(h[:, :, p].reshape(-1, n * r), b.reshape(b.shape[0], n * r, width), (out,),
-                                       True, rows) for p, (b, out) in enumerate(zip(self.b, self.out, strict=True)))
-        a, bs = self._unpacked() if self.packed else (self.a, self.b)
-        k = a.shape[0]
-        h = jnp.dot(x, a.reshape(k, n * parts * r)).reshape(-1, n, parts, r) * onehot[:, :, None, None]
-        return tuple(jnp.dot(h[:, :, p].reshape(-1, n * r), b.reshape(n * r, -1)) for p, b in enumerate(bs))
-
-    def _unpacked(self) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """The packed weights in XLA's layout (a copy, small beside the many-row step that wants it)."""
-        n, panels, k, width = self.a.shape
-        parts, r = len(self.b), self.rank
-        a = self.a.transpose(2, 0, 1, 3).reshape(k, n, panels * width)[:, :, : parts * r].reshape(k, n, parts, r)
-        b = tuple(b.transpose(1, 2, 0, 3).reshape(n, r, -1)[:, :, :out] for b, out in zip(self.b, self.out, strict=True))
-        return a, b
+        (all zeros: the base model); rows: int32 scalar, the leading rows that are real tokens, or None: all
+        (packed slots skip the rest). Returns each part's delta [num_tokens, out_p]."""
+        k, n, parts, r = self.a.shape
+        h = jnp.dot(x, self.a.reshape(k, n * parts * r)).reshape(-1, n, parts, r) * onehot[:, :, None, None]
+        return tuple(jnp.dot(h[:, :, p].reshape(-1, n * r), b.reshape(n * r, -1)) for p, b in enumerate(self.b))
 
 
 @jax.tree_util.register_dataclass
@@ -127,6 +100,11 @@ class LayerLoRA:
 
     projections: dict[str, LoRAProjection]  # GROUPS' names
     onehot: jax.Array  # [num_tokens, max_loras], the activations' dtype
+
+    def addend(self, group: str, x: jax.Array, rows=None) -> tuple | None:
+        """What projection `group`'s base matmul adds in its own pass (layers.linear's `add`) for its input x
+        [num_tokens, in], or None: then add `delta`'s."""
+        return self.projections[group].addend(x, self.onehot, rows)
 
     def delta(self, group: str, x: jax.Array, rows=None) -> tuple[jax.Array, ...]:
         """The delta of projection `group` (a GROUPS name) on its input x [num_tokens, in], one per part;
@@ -159,7 +137,7 @@ class LoRARows:
 class LoRAWeights:
     """Every layer's slots: layers[i][group] is layer i's LoRAProjection of that GROUPS name."""
 
-    layers: tuple[dict[str, LoRAProjection], ...]
+    layers: tuple[dict[str, LoRAProjection | PackedProjection], ...]
 
     @property
     def max_loras(self) -> int:
@@ -176,25 +154,31 @@ class LoRAWeights:
         return tuple(LayerLoRA(projections, onehot) for projections in by_layer)
 
 
-def _projection(config: ModelConfig, group: str, max_loras: int, rank: int, dtype, packed: bool) -> LoRAProjection:
+def _projection(config: ModelConfig, group: str, max_loras: int, rank: int, dtype, packed: bool):
     """Empty slots (zeros) of one fused projection, in either layout."""
     modules = GROUPS[group]
     fan_in, out = module_shape(config, modules[0])[0], tuple(module_shape(config, m)[1] for m in modules)
     if packed:
-        a = (max_loras, pl.cdiv(len(modules) * rank, PANEL), fan_in, PANEL)
-        b = tuple((pl.cdiv(o, PANEL), max_loras, rank, PANEL) for o in out)
-    else:
-        a, b = (fan_in, max_loras, len(modules), rank), tuple((max_loras, rank, o) for o in out)
-    return LoRAProjection(jnp.zeros(a, dtype), tuple(jnp.zeros(shape, dtype) for shape in b), out, packed)
+        return PackedProjection.empty(fan_in, out, kv_heads_of(config, group), max_loras, rank)
+    return LoRAProjection(jnp.zeros((fan_in, max_loras, len(modules), rank), dtype),
+                          tuple(jnp.zeros((max_loras, rank, o), dtype) for o in out))
+
+
+def packable(config: ModelConfig, dtype) -> bool:
+    """Whether slots for this config can be packed (lora_packed.py): float32, and no output panel of a fused
+    projection spans two of its parts."""
+    return jnp.dtype(dtype) == jnp.float32 and all(
+        panel_parts(tuple(module_shape(config, m)[1] for m in names), kv_heads_of(config, g)) is not None
+        for g, names in GROUPS.items())
 
 
 def empty(config: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32, packed: bool = False) -> LoRAWeights:
     """max_loras empty slots (zeros) of rank max_rank for every layer and projection of this config; packed:
-    in the C++ matmul's layout (LoRAProjection), for a model packed for it (float32 only)."""
+    in the C++ matmul's layout (lora_packed.py), for a model packed for it, where `packable`."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be at least 1")
-    if packed and jnp.dtype(dtype) != jnp.float32:
-        raise ValueError(f"packed LoRA slots are float32, not {jnp.dtype(dtype).name}")
+    if packed and not packable(config, dtype):
+        raise ValueError(f"LoRA slots of {jnp.dtype(dtype).name} for this model cannot be packed")
     return LoRAWeights(tuple({g: _projection(config, g, max_loras, max_rank, dtype, packed) for g in GROUPS}
                              for _ in range(config.num_layers)))
 
@@ -242,19 +226,7 @@ def load_into(weights: LoRAWeights, slot: jax.Array, adapter: HostAdapter) -> Lo
     """weights with slot `slot` (int32 scalar, 1..max_loras) holding `adapter` (host_slot's; zeros free the
     slot). weights is donated: the update is in place. One program for every adapter and slot. B is scaled
     in float32 before the cast to the slots' dtype."""
-    index = slot - 1
-
-    def put(group: str, old: LoRAProjection, i: int) -> LoRAProjection:
-        a = adapter.a[group][i]  # [parts, max_rank, in]
-        if old.packed:
-            a = pack_columns(a.reshape(-1, a.shape[-1]).T)  # [panels, in, PANEL]
-            b = [pack_columns((part[i] * adapter.scale).T) for part in adapter.b[group]]  # [panels, max_rank, PANEL]
-        else:
-            a, b = jnp.transpose(a, (2, 0, 1)), [(part[i] * adapter.scale).T for part in adapter.b[group]]
-        a_axis, b_axis = (0, 1) if old.packed else (1, 0)
-        new_a = jax.lax.dynamic_update_index_in_dim(old.a, a.astype(old.a.dtype), index, axis=a_axis)
-        new_b = tuple(jax.lax.dynamic_update_index_in_dim(ob, part.astype(ob.dtype), index, axis=b_axis)
-                      for ob, part in zip(old.b, b, strict=True))
-        return dataclasses.replace(old, a=new_a, b=new_b)
-
-    return LoRAWeights(tuple({g: put(g, layer[g], i) for g in GROUPS} for i, layer in enumerate(weights.layers)))
+    return LoRAWeights(tuple(
+        {g: p.put(adapter.a[g][i], [part[i] for part in adapter.b[g]], adapter.scale, slot - 1)
+         for g, p in layer.items()}
+        for i, layer in enumerate(weights.layers)))
