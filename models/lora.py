@@ -17,8 +17,8 @@ adapters the step uses. Zeros add exactly, so a row's delta is its own adapter's
 Projections that share an input share one A matmul: q/k/v (the fused qkv of layers.Attention) and
 gate/up (layers.MLP's gate_up); each part keeps its own B, so nothing block-diagonal is multiplied.
 
-Beside a model packed for the C++ CPU matmul, the slots are packed too (LoRAProjection's packed layout)
-and a step of few rows multiplies them with that kernel, as the base weights are.
+Beside a model packed for the C++ CPU matmul, the slots are packed too (lora_packed.PackedProjection,
+with LoRAProjection's methods), and a step of few rows adds B's product inside the base matmul's pass.
 """
 
 import dataclasses

@@ -1,10 +1,12 @@
 """What LoRA adapters cost the engine's model call on SmolLM2, side by side with the same call without them.
 
-    PYTHONPATH=. python scripts/bench_lora.py                   # the engine's CPU matmuls (C++, packed)
+    PYTHONPATH=. python scripts/bench_lora.py                   # the engine's CPU matmuls (C++, packed; the
+                                                                # slots too: models/lora_packed.py)
     PYTHONPATH=. python scripts/bench_lora.py --matmul xla      # XLA's matmuls (what a GPU runs)
 
 Random adapters of rank --rank on all seven projections, written in PEFT's format, are read and loaded
-into --adapters slots of an engine (enable_lora). Timed, alternating the two forms, median of --repeats:
+into --adapters slots of an engine (enable_lora). Timed, alternating the forms, median of --repeats
+(--xla-slots adds a third: the same adapters in XLA-layout slots, what the packed ones replace):
 
 - decode: one step of 16 sequences (256 tokens of context each) spread over the adapters, against the
   same step run without LoRA (the model's program without adapters, the engine's enable_lora=False one);
@@ -45,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--matmul", default="auto", choices=("auto", "cpu", "xla"))
+    p.add_argument("--xla-slots", action="store_true",
+                   help="also time the same adapters in XLA-layout slots (where the engine's are packed)")
     return p.parse_args(argv)
 
 
@@ -79,25 +83,27 @@ def sequences(shape: list[tuple[int, int]], slots: list[int], block_size: int) -
     return out
 
 
-def time_steps(engine: LLMEngine, scheduled: list[ScheduledSeq], repeats: int) -> dict[bool, list[float]]:
-    """Seconds of each model call without (False) and with (True) LoRA, alternating."""
+def time_steps(engine: LLMEngine, scheduled: list[ScheduledSeq], repeats: int,
+               forms: dict[str, lora.LoRAWeights | None]) -> dict[str, list[float]]:
+    """Seconds of each model call per form (name -> the slots it runs with, None: without LoRA), alternating."""
     runner = engine.runner
     with_lora = runner.inputs.step(scheduled)[0]
     without = dataclasses.replace(with_lora, lora_rows=None)
-    times = {False: [], True: []}
+    times = {name: [] for name in forms}
 
-    def call(step_input, use_lora: bool) -> float:
-        args, keywords = runner._step_args(step_input)
+    def call(weights) -> float:
+        args, keywords = runner._step_args(without if weights is None else with_lora)
+        args = args[:5] if weights is None else (*args[:5], weights)
         start = time.perf_counter()
-        hidden, runner.kv_cache = step_programs.step(*(args if use_lora else args[:5]), **keywords)
+        hidden, runner.kv_cache = step_programs.step(*args, **keywords)
         hidden.block_until_ready()
         return time.perf_counter() - start
 
-    for use_lora in (False, True):  # compile, and a first run
-        call(with_lora if use_lora else without, use_lora)
+    for weights in forms.values():  # compile, and a first run
+        call(weights)
     for _ in range(repeats):
-        for use_lora in (False, True):
-            times[use_lora].append(call(with_lora if use_lora else without, use_lora))
+        for name, weights in forms.items():
+            times[name].append(call(weights))
     return times
 
 
@@ -130,6 +136,12 @@ def main(argv=None) -> None:
                 adapters.acquire(request, [])
                 jax.block_until_ready(adapters.weights)
                 loads.append(time.perf_counter() - start)
+        forms = {"without LoRA": None, "with": adapters.weights}
+        if args.xla_slots:  # the same adapters in the same slots, in XLA's layout (models/lora.py)
+            forms["XLA-layout slots"] = lora.empty(loaded.config, args.adapters, args.rank)
+            for request in requests:
+                forms["XLA-layout slots"] = lora.load_into(forms["XLA-layout slots"], np.int32(
+                    adapters.acquire(request, [])), adapters.read(request))
     totals = [r + l for r, l in zip(reads, loads)]
     for stat in (statistics.median, min):
         print(f"adapter load, {stat.__name__} of {len(totals)}: {1e3 * stat(totals):.1f} ms (read "
@@ -141,11 +153,13 @@ def main(argv=None) -> None:
         "prefill, 512 tokens, one adapter": (sequences([(0, 512)], [1], block), 1.15),
     }
     for name, (scheduled, goal) in cases.items():
-        times = time_steps(engine, scheduled, args.repeats)
+        times = time_steps(engine, scheduled, args.repeats, forms)
         for stat in (statistics.median, min):
-            base, with_lora = stat(times[False]), stat(times[True])
-            print(f"{name}, {stat.__name__} of {args.repeats}: {1e3 * base:.1f} ms without LoRA, "
-                  f"{1e3 * with_lora:.1f} ms with: {with_lora / base:.3f}x (goal <= {goal}x)")
+            base = stat(times["without LoRA"])
+            others = ", ".join(f"{1e3 * stat(t):.1f} ms {form}: {stat(t) / base:.3f}x"
+                               for form, t in times.items() if form != "without LoRA")
+            print(f"{name}, {stat.__name__} of {args.repeats}: {1e3 * base:.1f} ms without LoRA, {others} "
+                  f"(goal <= {goal}x)")
 
 
 if __name__ == "__main__":

@@ -25,13 +25,14 @@ class AdapterSlots:
     def __init__(self, model_config: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int, dtype,
                  packed: bool = False):
         """dtype: the model's parameters' (the adapters run in it); packed: the model's matmuls are the C++
-        kernel's over packed weights, and the adapters' are too (lora.LoRAProjection)."""
+        kernel's over packed weights, and the adapters' are too where lora.packable (models/lora_packed.py)."""
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
         self.model_config, self.max_rank, self.max_cpu_loras, self.dtype = model_config, max_rank, max_cpu_loras, dtype
         # Committed to the device, as load_into's outputs are: the step compiles once for both.
         self.weights = jax.tree.map(lambda x: jax.device_put(x, x.sharding),
-                                    lora.empty(model_config, max_loras, max_rank, dtype, packed))
+                                    lora.empty(model_config, max_loras, max_rank, dtype,
+                                               packed and lora.packable(model_config, dtype)))
         self.max_loras = max_loras
         self.held: list[int | None] = [None] * max_loras  # the adapter id in slot s + 1
         self._loads = collections.Counter()  # slot -> when it was last loaded (a load count)
