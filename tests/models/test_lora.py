@@ -154,15 +154,18 @@ def test_adapter_for_another_base_is_refused(tiny_checkpoint, tmp_path):
         peft_adapter.read(adapter, load_model(folder).config)
 
 
-@pytest.mark.parametrize("packed", (False, True), ids=("xla_matmul", "packed"))
-def test_one_adapter_over_its_slot_alone_matches_peft(base, packed):
-    """A step whose rows use one adapter (and the base model) gathers that slot alone (LoRARows of one slot)."""
+@pytest.mark.parametrize("packed, packed_slots", [(False, False), (True, True), (False, True)],
+                         ids=("xla_matmul", "packed", "packed_slots_over_xla_matmul"))
+def test_one_adapter_over_its_slot_alone_matches_peft(base, packed, packed_slots):
+    """A step whose rows use one adapter (and the base model) gathers that slot alone (LoRARows of one slot).
+    Packed slots over a model that is not: B's product is XLA's, after the base matmul (lora_packed.add_product,
+    as with int8 weights or oneDNN)."""
     model, config, hf_model, adapters = base
     model = model.pack_for_cpu() if packed else model
     graphdef, state = nnx.split(model)
     slot = ORDER.index("all_rslora") + 1
     one = lambda slots: lora.LoRARows(jnp.asarray([slot], jnp.int32), jnp.where(slots == slot, 0, -1))
-    forward = forward_with(graphdef, slots_with(config, adapters, ORDER, packed), [slot, 0, slot], rows=one)
+    forward = forward_with(graphdef, slots_with(config, adapters, ORDER, packed_slots), [slot, 0, slot], rows=one)
     prompts = random_prompts(config, (7, 13, 30))
     for name, prompt, got in zip(("all_rslora", None, "all_rslora"), prompts,
                                  ragged_logits(forward, state, config, prompts), strict=True):
