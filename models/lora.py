@@ -82,7 +82,6 @@ class LoRAProjection:
     def addend(self, x: jax.Array, onehot: jax.Array, rows) -> None:
         """None: this layout's delta is always `delta`'s (lora_packed.PackedProjection's may be added in the
         base matmul's pass)."""
-        return None
 
     def delta(self, x: jax.Array, onehot: jax.Array, rows=None) -> tuple[jax.Array, ...]:
         """x: [num_tokens, in]; onehot: [num_tokens, max_loras] in x's dtype, row t's slot s >= 1 at s - 1

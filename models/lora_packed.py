@@ -66,9 +66,9 @@ class PackedProjection:
 
     a: jax.Array
     b: jax.Array
-    out: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-    kv_heads: int = dataclasses.field(metadata=dict(static=True))
-    parts: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    out: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    kv_heads: int = dataclasses.field(metadata={"static": True})
+    parts: tuple[int, ...] = dataclasses.field(metadata={"static": True})
 
     @staticmethod
     def empty(fan_in: int, out: tuple[int, ...], kv_heads: int, max_loras: int, rank: int) -> "PackedProjection":

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cpu.library import (LINEAR, LINEAR_ADD, LINEAR_INT8, LINEAR_ONEDNN, available, onednn_available,
-                                        onednn_error)
+from kernels_pallas.cpu.library import (LINEAR, LINEAR_ADD, LINEAR_INT8, LINEAR_ONEDNN, available,
+                                        onednn_available, onednn_error)
 from kernels_pallas.cpu.packing import pack_columns, pack_panels
 
 
