@@ -22,7 +22,7 @@ from flax import nnx
 
 import kernels_pallas
 from kernels_pallas import AttentionMetadata, cpu_kernel
-from models import lora_packed, rope
+from models import rope
 from models.config import ModelConfig
 from models.sharding import TP_AXIS, per_kv_head
 
@@ -32,17 +32,17 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], sharding: tuple, dtype) 
 
 
 def linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool, rows=None,
-           panels: jax.Array | None = None, onednn_rows: int = 0, add: tuple | None = None) -> jax.Array:
+           panels: jax.Array | None = None, onednn_rows: int = 0, add=None) -> jax.Array:
     """x: [num_tokens, K] @ w -> [num_tokens, *out_shape]. w is [K, *out_shape], or where packed its
     column panels (cpu_kernel.pack_columns of w as [K, N]; int8 ones: pack_int8), multiplied by the
     C++ kernel, which computes only the leading `rows` rows (int32 scalar: the step's real tokens;
     None: all) and gives zeros for the padding after them. panels: the same weight in oneDNN's layout
     (cpu_kernel.pack_panels), which a step of at least onednn_rows tokens multiplies by instead. add: a
-    packed LoRA delta to add (lora_packed.PackedProjection.addend's), in the float32 kernel's own pass."""
+    packed LoRA delta to add (lora_packed.Addend), in the float32 kernel's own pass where it can."""
     n = math.prod(out_shape)
     if not packed:
         out = jnp.tensordot(x, w, axes=1)
-        return out if add is None else lora_packed.add_product(out.reshape(-1, n), add).reshape(out.shape)
+        return out if add is None else add.added_to(out.reshape(-1, n)).reshape(out.shape)
     if panels is not None and onednn_rows and x.shape[0] >= onednn_rows:
         matmul, w = cpu_kernel.linear_onednn_cpu, panels
     else:
@@ -50,10 +50,10 @@ def linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool,
     with jax.named_scope("matmul"):  # the profile's name for it (paged_jax/research/step_profile.py)
         if add is None:
             out = matmul(x, w, n, rows)
-        elif matmul is cpu_kernel.linear_cpu:
-            out = cpu_kernel.linear_add_cpu(x, w, n, rows, *add)
+        elif matmul is cpu_kernel.linear_cpu and add.groups is not None:
+            out = cpu_kernel.linear_add_cpu(x, w, n, rows, add.h, add.b, add.groups)
         else:
-            out = lora_packed.add_product(matmul(x, w, n, rows), add)
+            out = add.added_to(matmul(x, w, n, rows))
         return out.reshape(x.shape[0], *out_shape)
 
 

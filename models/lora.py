@@ -80,8 +80,8 @@ class LoRAProjection:
             for old, part in zip(self.b, b, strict=True)))
 
     def addend(self, x: jax.Array, onehot: jax.Array, rows) -> None:
-        """None: this layout's delta is always `delta`'s (lora_packed.PackedProjection's may be added in the
-        base matmul's pass)."""
+        """None: this layout's delta is `delta`'s, per part (lora_packed.PackedProjection's is an addend to
+        the base matmul, whole)."""
 
     def delta(self, x: jax.Array, onehot: jax.Array, rows=None) -> tuple[jax.Array, ...]:
         """x: [num_tokens, in]; onehot: [num_tokens, max_loras] in x's dtype, row t's slot s >= 1 at s - 1
@@ -101,8 +101,8 @@ class LayerLoRA:
     onehot: jax.Array  # [num_tokens, max_loras], the activations' dtype
 
     def addend(self, group: str, x: jax.Array, rows=None) -> tuple | None:
-        """What projection `group`'s base matmul adds in its own pass (layers.linear's `add`) for its input x
-        [num_tokens, in], or None: then add `delta`'s."""
+        """What projection `group`'s base matmul adds (layers.linear's `add`, a lora_packed.Addend) for its
+        input x [num_tokens, in], or None (XLA-layout slots): then add `delta`'s."""
         return self.projections[group].addend(x, self.onehot, rows)
 
     def delta(self, group: str, x: jax.Array, rows=None) -> tuple[jax.Array, ...]:

@@ -6,8 +6,8 @@ projection's delta is two calls of kernels_pallas/cpu/linear.cc: x @ A of every 
 inside the base matmul's own pass over its output (linear_add_cpu), each output panel's B rows times
 its part's masked rank activations. B is laid out in the fused projection's output order (layers.py:
 q/k/v interleaved per KV head, gate then up), each panel of PANEL columns within one part, so nothing
-block-diagonal is multiplied. Steps of PACKED_MAX_ROWS rows and more (prefill) take XLA's dot over an
-unpacked copy instead, which is faster there.
+block-diagonal is multiplied. Steps of PACKED_MAX_ROWS rows and more (prefill) take XLA's dots over an
+unpacked copy instead, faster there, B's product in one dot whose output is in the fused order.
 """
 
 import dataclasses
@@ -97,40 +97,50 @@ class PackedProjection:
         return dataclasses.replace(self, a=jax.lax.dynamic_update_index_in_dim(self.a, a, index, axis=0),
                                    b=jax.lax.dynamic_update_index_in_dim(self.b, b, index, axis=1))
 
-    def _rank_rows(self, x: jax.Array, onehot: jax.Array, rows) -> jax.Array:
-        """float32 [num_tokens, parts, max_loras * max_rank]: each row's rank activations in its own slot,
-        zeros in the others (C++ kernel)."""
+    def addend(self, x: jax.Array, onehot: jax.Array, rows) -> "Addend":
+        """The delta as layers.linear adds it to the base matmul. x: [num_tokens, in]; onehot: [num_tokens,
+        max_loras] float32, row t's slot s >= 1 at s - 1 (all zeros: the base model); rows: int32 scalar, the
+        leading rows that are real tokens, or None: all.
+
+        Fewer than PACKED_MAX_ROWS rows: by panels, x @ A of every slot by the C++ kernel, each row's own
+        slot's rank activations kept. Else dense, XLA's dots over an unpacked copy: h [num_tokens, parts *
+        max_loras * max_rank] (part-major) and B with each part's rows zero outside its own columns, so
+        that one dot gives the delta in the fused projection's column order, with no per-part outputs to
+        put together (a 512-row prefill's deltas are as large as its outputs)."""
         n, panels, k, _ = self.a.shape
         parts, r = len(self.out), self.rank
-        h = cpu_kernel.linear_cpu(x, self.a.reshape(n * panels, k, PANEL), n * panels * PANEL, rows)
+        if x.shape[0] < PACKED_MAX_ROWS:
+            h = cpu_kernel.linear_cpu(x, self.a.reshape(n * panels, k, PANEL), n * panels * PANEL, rows)
+        else:
+            a = self.a.transpose(2, 0, 1, 3).reshape(k, n * panels * PANEL)
+            h = jnp.dot(x, a)
         h = h.reshape(-1, n, panels * PANEL)[:, :, : parts * r].reshape(-1, n, parts, r) * onehot[:, :, None, None]
-        return h.transpose(0, 2, 1, 3).reshape(-1, parts, n * r)
-
-    def addend(self, x: jax.Array, onehot: jax.Array, rows) -> tuple | None:
-        """What the base matmul adds in its pass (layers.linear's `add`: h, b, each panel's part), or None
-        for a step of PACKED_MAX_ROWS rows or more (then `delta`). x, onehot, rows: as lora.LoRAProjection.delta's."""
-        if x.shape[0] >= PACKED_MAX_ROWS:
-            return None
-        b = self.b.reshape(self.b.shape[0], -1, PANEL)
-        return self._rank_rows(x, onehot, rows), b, np.asarray(self.parts, np.int32)
-
-    def delta(self, x: jax.Array, onehot: jax.Array, rows=None) -> tuple[jax.Array, ...]:
-        """lora.LoRAProjection.delta by XLA's dot, over an unpacked copy of the slots (for many rows)."""
-        n, panels, k, _ = self.a.shape
-        parts, r = len(self.out), self.rank
-        a = self.a.transpose(2, 0, 1, 3).reshape(k, n, panels * PANEL)[:, :, : parts * r]
-        h = (jnp.dot(x, a.reshape(k, -1)).reshape(-1, n, parts, r) * onehot[:, :, None, None])
-        out = []
-        for p, width in enumerate(self.out):
-            mine = np.flatnonzero(np.asarray(self.parts) == p)  # in order: the part's columns in order
-            b = self.b[mine].transpose(1, 2, 0, 3).reshape(n * r, -1)[:, :width]
-            out.append(jnp.dot(h[:, :, p].reshape(-1, n * r), b))
-        return tuple(out)
+        h = h.transpose(0, 2, 1, 3)  # [num_tokens, parts, max_loras, max_rank]
+        if x.shape[0] < PACKED_MAX_ROWS:
+            return Addend(h.reshape(-1, parts, n * r), self.b.reshape(len(self.parts), n * r, PANEL),
+                          np.asarray(self.parts, np.int32))
+        own = np.repeat(np.asarray(self.parts)[None, :] == np.arange(parts)[:, None], PANEL, axis=1)  # [parts, cols]
+        b = self.b.transpose(1, 2, 0, 3).reshape(1, n * r, -1) * own[:, None, :]
+        return Addend(h.reshape(-1, parts * n * r), b.reshape(parts * n * r, -1)[:, : sum(self.out)])
 
 
-def add_product(out: jax.Array, add: tuple) -> jax.Array:
-    """out [num_tokens, n] + what linear_add_cpu adds for add = (h, b, parts), by XLA (a base matmul
-    that is not linear.cc's: int8 weights, oneDNN)."""
-    h, b, parts = add
-    per_panel = jnp.einsum("tpd,pdc->tpc", h[:, np.asarray(parts)], b)
-    return out + per_panel.reshape(out.shape[0], -1)[:, : out.shape[1]]
+@dataclasses.dataclass(frozen=True)
+class Addend:
+    """A packed LoRA delta that layers.linear adds to a base matmul's output [num_tokens, out].
+
+    groups given (few rows): h float32 [num_tokens, G, depth], b [ceil(out / PANEL), depth, PANEL], groups
+        int32 [ceil(out / PANEL)]: panel p's columns get h[:, groups[p]] @ b[p], in linear_add_cpu's pass.
+    groups None: h [num_tokens, depth] @ b [depth, out], by XLA after the base matmul.
+    """
+
+    h: jax.Array
+    b: jax.Array
+    groups: np.ndarray | None = None
+
+    def added_to(self, out: jax.Array) -> jax.Array:
+        """out [num_tokens, out] plus this delta, by XLA (groups given: a base matmul that is not linear.cc's,
+        int8 weights or oneDNN, or XLA's own)."""
+        if self.groups is None:
+            return out + jnp.dot(self.h, self.b)
+        per_panel = jnp.einsum("tpd,pdc->tpc", self.h[:, self.groups], self.b)
+        return out + per_panel.reshape(out.shape[0], -1)[:, : out.shape[1]]
