@@ -133,16 +133,20 @@ class DecoderLM(nnx.Module):
             x = x * jnp.asarray(math.sqrt(self.config.hidden_size), jnp.float32).astype(x.dtype)
         return x
 
-    def logits(self, x: jax.Array) -> jax.Array:
+    def logits(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """x: [rows, hidden], rows of `hidden_states` -> float32 [rows, vocab]: the final norm, the lm_head,
-        and the soft cap cap * tanh(logits / cap) where the config sets one (Gemma 2 and 3)."""
+        and the soft cap cap * tanh(logits / cap) where the config sets one (Gemma 2 and 3).
+
+        num_rows: int32 [], how many leading rows are wanted, or None (all). Where the lm_head is
+        packed for the C++ matmul only those are multiplied and the padding rows' logits are zeros: at
+        Gemma 3's 262,144 columns a row of the lm_head costs about as much as a token of all its layers."""
         x = self.norm(x)
         if self.packed:
             if self.lm_head_int8 is not None:
                 lm_head = self.lm_head_int8
             else:
                 lm_head = self.embed if self.config.tie_word_embeddings else self.lm_head
-            logits = layers.linear(x, lm_head[...], (self.config.vocab_size,), packed=True)
+            logits = layers.linear(x, lm_head[...], (self.config.vocab_size,), packed=True, rows=num_rows)
         elif self.config.tie_word_embeddings:
             logits = jnp.einsum("th,vh->tv", x, self.embed[...], preferred_element_type=jnp.float32)
         else:

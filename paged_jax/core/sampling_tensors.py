@@ -37,6 +37,7 @@ class SamplingTensors:
     history: jax.Array  # int32 [S, H]           prompt ids then output ids, -1 padded; H = 0 unless do_penalties
     pending_row: jax.Array  # int32 [S]          row of the previous step's samples that a PENDING history id is
     num_prompt_ids: jax.Array  # int32 [S]       how many of a row's history ids are its prompt's
+    num_rows: jax.Array  # int32 []            rows before the padding rows, which need no logits
     any_banned: jax.Array  # bool []
     do_top_k_top_p: jax.Array  # bool []         some sampled row has top_k or top_p
     any_logprobs: jax.Array  # bool []           some row asks for logprobs
@@ -133,6 +134,7 @@ def make_sampling_tensors(
         history=history,
         num_prompt_ids=column([len(prompt) for prompt in prompt_ids], 0, np.int32),
         pending_row=column(pending_rows or 0, 0, np.int32),
+        num_rows=np.int32(num),
         any_banned=np.bool_(banned.any()),
         do_top_k_top_p=np.bool_(any(p.top_k > 0 or p.top_p < 1 for p in sampled)),
         any_logprobs=np.bool_(any(p.logprobs is not None for p in params)),

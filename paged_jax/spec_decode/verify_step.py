@@ -20,6 +20,7 @@ def verify_step(graph, weights: tuple[jax.Array, ...], hidden: jax.Array, packed
     Returns ((SamplerOutput, accepted bool [S]), its tokens padded to int32 [rows] for the next step)."""
     model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
     tensors, drafts = packing.unpack(packed, layout)
-    sampled, accepted = rejection_sample(model.logits(hidden[: drafts.shape[0]]), tensors, drafts, previous)
+    logits = model.logits(hidden[: drafts.shape[0]], tensors.num_rows)
+    sampled, accepted = rejection_sample(logits, tensors, drafts, previous)
     padded = jnp.zeros(hidden.shape[0], jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens)
     return (sampled, accepted), padded

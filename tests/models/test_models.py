@@ -174,6 +174,16 @@ def test_logits_match_transformers(tiny_any_matmul):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+def test_packed_head_multiplies_only_the_wanted_rows(tiny_model):
+    """logits(x, num_rows): the leading rows as every row's logits have them, the padding rows zeros."""
+    _, config, model = tiny_model
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(6, config.hidden_size)), jnp.float32)
+    want = np.asarray(model.logits(x))
+    got = np.asarray(model.pack_for_cpu().logits(x, jnp.int32(4)))
+    assert np.abs(got[:4] - want[:4]).max() <= 1e-5 * np.abs(want).max()
+    assert (got[4:] == 0).all()
+
+
 @pytest.mark.parametrize("chunk_size", [64, 5], ids=["whole", "chunked"])
 def test_greedy_through_paged_cache_matches_transformers(tiny_any_matmul, chunk_size):
     hf_model, config, state, forward = tiny_any_matmul
