@@ -17,8 +17,9 @@ each is what it is:
 - Q, the static bound on one sequence's new tokens: the Pallas kernel's grid needs it (bucketed); the
   XLA path reads only whether some row has more than one token (1 or T); the CPU kernel reads each
   row's length at run time (always T).
-- S, the sampled rows: on the CPU the lm_head costs as much for a padded row as for a real one (most
-  of a millisecond each), so S is a fine bucket (powers of two and the midpoints between them) up to
+- S, the sampled rows: on the CPU the packed lm_head multiplies only the real ones
+  (SamplingTensors.num_rows; most of a millisecond a row), but the rest of the head and the sampler
+  pay for every row, so S is a fine bucket (powers of two and the midpoints between them) up to
   max_num_seqs. On a GPU a padded row costs next to nothing (the head reads its weights once for all
   rows) while each program costs seconds to compile (6.4 s for SmolLM2's head and sampler on an H100,
   docs/gpu.md), so S is a power of two there: 7 row counts up to 64, not 12. The model call hands the
