@@ -51,7 +51,7 @@ def linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool,
         if add is None:
             out = matmul(x, w, n, rows)
         elif matmul is cpu_kernel.linear_cpu and add.groups is not None:
-            out = cpu_kernel.linear_add_cpu(x, w, n, rows, add.h, add.b, add.groups, add.slot)
+            out = cpu_kernel.linear_add_cpu(x, w, n, rows, add.h, add.b, add.groups)
         else:
             out = add.added_to(matmul(x, w, n, rows))
         return out.reshape(x.shape[0], *out_shape)

@@ -3,11 +3,10 @@
 A decode step's deltas were hundreds of small XLA dots, each repacking its weight on every call (1.41x
 the base step on the Xeon 6/207, scripts/bench_lora.py). Packed like the base weights, a fused
 projection's delta is two calls of kernels_pallas/cpu/linear.cc: x @ A of every slot (one call), then,
-inside the base matmul's own pass over its output (linear_add_cpu), each output panel's B rows of each
-row's own slot times that slot's rank activations of the panel's part, the kernel picking the slot (an XLA
-mask per projection cost more than the product). B is laid out in the fused projection's output order
-(layers.py: q/k/v interleaved per KV head, gate then up), each panel of PANEL columns within one part, so
-nothing block-diagonal is multiplied. Steps of PACKED_MAX_ROWS rows and more (prefill) take XLA's dots over an
+inside the base matmul's own pass over its output (linear_add_cpu), each output panel's B rows times
+its part's masked rank activations. B is laid out in the fused projection's output order (layers.py:
+q/k/v interleaved per KV head, gate then up), each panel of PANEL columns within one part, so nothing
+block-diagonal is multiplied. Steps of PACKED_MAX_ROWS rows and more (prefill) take XLA's dots over an
 unpacked copy instead, faster there, B's product in one dot whose output is in the fused order.
 """
 
@@ -98,26 +97,28 @@ class PackedProjection:
         return dataclasses.replace(self, a=jax.lax.dynamic_update_index_in_dim(self.a, a, index, axis=0),
                                    b=jax.lax.dynamic_update_index_in_dim(self.b, b, index, axis=1))
 
-    def addend(self, x: jax.Array, onehot: jax.Array, index: jax.Array, rows) -> "Addend":
+    def addend(self, x: jax.Array, onehot: jax.Array, rows) -> "Addend":
         """The delta as layers.linear adds it to the base matmul. x: [num_tokens, in]; onehot: [num_tokens,
-        max_loras] float32, row t's slot s >= 1 at s - 1 (all zeros: the base model); index: int32
-        [num_tokens], the same as s - 1 (-1: the base model); rows: int32 scalar, the leading rows that are
-        real tokens, or None: all.
+        max_loras] float32, row t's slot s >= 1 at s - 1 (all zeros: the base model); rows: int32 scalar, the
+        leading rows that are real tokens, or None: all.
 
-        Fewer than PACKED_MAX_ROWS rows: by panels, x @ A of every slot by the C++ kernel, then each row's
-        own slot's rank activations and B rows picked by linear_add_cpu itself from index (no mask in XLA,
-        no masked-out slot multiplied). Else dense, XLA's dots over an unpacked copy: h [num_tokens, parts *
-        max_loras * max_rank] (part-major), masked by onehot, and B with each part's rows zero outside its
-        own columns, so that one dot gives the delta in the fused projection's column order, with no
-        per-part outputs to put together (a 512-row prefill's deltas are as large as its outputs)."""
+        Fewer than PACKED_MAX_ROWS rows: by panels, x @ A of every slot by the C++ kernel, each row's own
+        slot's rank activations kept. Else dense, XLA's dots over an unpacked copy: h [num_tokens, parts *
+        max_loras * max_rank] (part-major) and B with each part's rows zero outside its own columns, so
+        that one dot gives the delta in the fused projection's column order, with no per-part outputs to
+        put together (a 512-row prefill's deltas are as large as its outputs)."""
         n, panels, k, _ = self.a.shape
         parts, r = len(self.out), self.rank
         if x.shape[0] < PACKED_MAX_ROWS:
             h = cpu_kernel.linear_cpu(x, self.a.reshape(n * panels, k, PANEL), n * panels * PANEL, rows)
-            return Addend(h.reshape(-1, n, panels * PANEL), self.b, np.asarray(self.parts, np.int32), index)
-        a = self.a.transpose(2, 0, 1, 3).reshape(k, n * panels * PANEL)
-        h = jnp.dot(x, a).reshape(-1, n, panels * PANEL)[:, :, : parts * r].reshape(-1, n, parts, r)
-        h = (h * onehot[:, :, None, None]).transpose(0, 2, 1, 3)  # [num_tokens, parts, max_loras, max_rank]
+        else:
+            a = self.a.transpose(2, 0, 1, 3).reshape(k, n * panels * PANEL)
+            h = jnp.dot(x, a)
+        h = h.reshape(-1, n, panels * PANEL)[:, :, : parts * r].reshape(-1, n, parts, r) * onehot[:, :, None, None]
+        h = h.transpose(0, 2, 1, 3)  # [num_tokens, parts, max_loras, max_rank]
+        if x.shape[0] < PACKED_MAX_ROWS:
+            return Addend(h.reshape(-1, parts, n * r), self.b.reshape(len(self.parts), n * r, PANEL),
+                          np.asarray(self.parts, np.int32))
         own = np.repeat(np.asarray(self.parts)[None, :] == np.arange(parts)[:, None], PANEL, axis=1)  # [parts, cols]
         b = self.b.transpose(1, 2, 0, 3).reshape(1, n * r, -1) * own[:, None, :]
         return Addend(h.reshape(-1, parts * n * r), b.reshape(parts * n * r, -1)[:, : sum(self.out)])
@@ -127,27 +128,19 @@ class PackedProjection:
 class Addend:
     """A packed LoRA delta that layers.linear adds to a base matmul's output [num_tokens, out].
 
-    groups given (few rows): h float32 [num_tokens, max_loras, stride], every slot's rank activations
-        (part-major, stride >= parts * max_rank); b [ceil(out / PANEL), max_loras, max_rank, PANEL];
-        groups int32 [ceil(out / PANEL)], each panel's part; slot int32 [num_tokens], each row's slot
-        (0-based, -1: none): row t with slot s gets, in panel p's columns, h[t, s, part p's ranks] @ b[p, s],
-        in linear_add_cpu's pass.
+    groups given (few rows): h float32 [num_tokens, G, depth], b [ceil(out / PANEL), depth, PANEL], groups
+        int32 [ceil(out / PANEL)]: panel p's columns get h[:, groups[p]] @ b[p], in linear_add_cpu's pass.
     groups None: h [num_tokens, depth] @ b [depth, out], by XLA after the base matmul.
     """
 
     h: jax.Array
     b: jax.Array
     groups: np.ndarray | None = None
-    slot: jax.Array | None = None
 
     def added_to(self, out: jax.Array) -> jax.Array:
         """out [num_tokens, out] plus this delta, by XLA (groups given: a base matmul that is not linear.cc's,
         int8 weights or oneDNN, or XLA's own)."""
         if self.groups is None:
             return out + jnp.dot(self.h, self.b)
-        _, n, r, _ = self.b.shape
-        parts = int(self.groups.max()) + 1
-        h = self.h[:, :, : parts * r].reshape(-1, n, parts, r) * (self.slot[:, None] == jnp.arange(n))[:, :, None, None]
-        h = h.transpose(0, 2, 1, 3).reshape(-1, parts, n * r)  # zeros outside the row's slot
-        per_panel = jnp.einsum("tpd,pdc->tpc", h[:, self.groups], self.b.reshape(len(self.groups), n * r, PANEL))
+        per_panel = jnp.einsum("tpd,pdc->tpc", self.h[:, self.groups], self.b)
         return out + per_panel.reshape(out.shape[0], -1)[:, : out.shape[1]]

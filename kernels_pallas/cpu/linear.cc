@@ -46,17 +46,12 @@ constexpr int kVecsPerPanel = kPanel / kLanes;
 // 78-81 against 102-107 (bench_matmul_cpu.py --fma, 30 layers).
 constexpr int64_t kAmxMinRows = 64;
 
-// A second product a tile adds to its own (LinearAddF32): row m's own LoRA slot's rank activations
-// (from h[m], panel q's part at part[q]) times that slot's [depth, kPanel] rows of panel q (at b + q *
-// panel_stride + w[m]). The row's slot is chosen here, not by masking h in XLA: a mask was an XLA op per
-// projection (some 120 a step), and the masked-out slots' zeros were multiplied too. h[m] null: the row
-// runs the base model alone. depth 0: no addend.
+// A second product a tile adds to its own (LinearAddF32): per panel q of the tile, rows of h (ldh apart,
+// from x[q], the panel's group of h) times the panel's [depth, kPanel] rows at w. depth 0: none.
 struct Addend {
-  const float* h[kRows] = {};
-  int64_t w[kRows] = {};
-  int64_t part[kTilePanels] = {};
-  const float* b = nullptr;
-  int64_t panel_stride = 0, depth = 0;
+  const float* x[kTilePanels];
+  int64_t ldh = 0, depth = 0;
+  const float* w = nullptr;
 };
 
 // out[0:MR, 0:n_valid] = x[0:MR, :] @ the NP panels at w (+ add's product); rows of x are ldx apart, of
@@ -66,17 +61,15 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, in
           paged_jax::TilePrefetch next, const Addend& add) {
   constexpr int V = NP * kVecsPerPanel;
   Vec acc[MR][V] = {};
-  // k outside, rows inside: each row's accumulators take one FMA per k, so rows overlap their latency.
   for (int64_t k = 0; k < add.depth; ++k) {
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      if (add.h[m] == nullptr) continue;
+    Vec wv[V];
 #pragma GCC unroll 8
-      for (int j = 0; j < V; ++j)
-        acc[m][j] += add.h[m][add.part[j / kVecsPerPanel] + k] *
-                     Load(add.b + (j / kVecsPerPanel) * add.panel_stride + add.w[m] + k * kPanel +
-                          (j % kVecsPerPanel) * kLanes);
-    }
+    for (int j = 0; j < V; ++j)
+      wv[j] = Load(add.w + (j / kVecsPerPanel) * add.depth * kPanel + k * kPanel + (j % kVecsPerPanel) * kLanes);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+      for (int j = 0; j < V; ++j) acc[m][j] += add.x[j / kVecsPerPanel][m * add.ldh + k] * wv[j];
   }
   for (int64_t k = 0; k < K; ++k) {
     next.Step(k);
@@ -111,24 +104,16 @@ void TileRows(int rows, const float* x, int64_t ldx, const float* w, int64_t K, 
   }
 }
 
-// LinearAddF32's addend, as its arguments give it (shapes there).
-struct Lora {
-  const float* h;
-  int64_t slots, stride, depth;
-  const float* b;
-  const int32_t* group;
-  const int32_t* slot;
-};
-
-// out = x @ w, plus where lora is given, per row r and panel p of w, r's slot s = slot[r] >= 0:
-// h[r, s, group[p] * depth:][:depth] @ b[p, s]. The sum starts from the addend, so out's rounding is the sum's.
+// out = x @ w, plus where h is given, per panel p of w, h[:, group[p]] @ b[p]: h [M, G, depth], b packed
+// [P, depth, kPanel], group int32 [P]. The sum starts from the addend, so out's rounding is the sum's.
 ffi::Error Linear(ffi::ThreadPool& pool, const float* xs, int64_t M_all, int64_t K, const float* ws, int64_t P,
-                  const ffi::Buffer<ffi::S32>& rows, float* outs, int64_t N, const Lora* lora = nullptr) {
+                  const ffi::Buffer<ffi::S32>& rows, float* outs, int64_t N, const float* hs = nullptr,
+                  int64_t ldh = 0, int64_t depth = 0, const float* bs = nullptr, const int32_t* group = nullptr) {
   const int64_t M = paged_jax::ComputedRows(rows, M_all, outs, N);
   if (M == 0) return ffi::Error::Success();
 #if PAGED_JAX_AMX
   static_assert(paged_jax::amx::kItemPanels == kTilePanels, "both kernels share the work items' width");
-  if (lora == nullptr && M >= kAmxMinRows && paged_jax::amx::Linear(pool, xs, ws, outs, M, K, P, N))
+  if (hs == nullptr && M >= kAmxMinRows && paged_jax::amx::Linear(pool, xs, ws, outs, M, K, P, N))
     return ffi::Error::Success();
 #endif
   const int64_t items = (P + kTilePanels - 1) / kTilePanels;
@@ -147,16 +132,10 @@ ffi::Error Linear(ffi::ThreadPool& pool, const float* xs, int64_t M_all, int64_t
         rows = M / tiles + (t < M % tiles);
         const paged_jax::TilePrefetch next(wa, pa, K, t, tiles);  // a panel's line: one k's kPanel floats
         Addend add;
-        if (lora != nullptr) {
-          add.depth = lora->depth, add.panel_stride = lora->slots * lora->depth * kPanel;
-          add.b = lora->b + p * add.panel_stride;
+        if (hs != nullptr) {
+          add.ldh = ldh, add.depth = depth, add.w = bs + p * depth * kPanel;
           for (int q = 0; q < kTilePanels; ++q)
-            add.part[q] = lora->group[std::min<int64_t>(p + q, P - 1)] * lora->depth;
-          for (int64_t r = 0; r < rows; ++r) {
-            const int32_t s = lora->slot[m + r];
-            add.h[r] = s < 0 ? nullptr : lora->h + ((m + r) * lora->slots + s) * lora->stride;
-            add.w[r] = s < 0 ? 0 : s * lora->depth * kPanel;
-          }
+            add.x[q] = hs + m * ldh + group[std::min<int64_t>(p + q, P - 1)] * depth;
         }
         if (P - p >= kTilePanels)
           TileRows<kTilePanels>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, next, add);
@@ -178,30 +157,25 @@ ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return Linear(pool, x.typed_data(), xd[0], K, w.typed_data(), P, rows, out->typed_data(), N);
 }
 
-// LinearF32's product plus each row's own LoRA slot's low-rank one per panel (an adapter's B,
-// models/lora_packed.py), in the same pass over out: h [M, S, stride] f32 (every slot's rank activations,
-// part-major, depth apart), b [P, S, depth, 16] f32, group [P] int32 (panel p's part: group[p] * depth +
-// depth <= stride), slot [M] int32 in [-1, S) (-1: none). Never the tile unit: it is for few rows.
+// LinearF32's product plus a low-rank one per panel (a LoRA adapter's B, models/lora_packed.py), in the
+// same pass over out: h [M, G, depth] f32, b [P, depth, 16] f32, group [P] int32 in [0, G). Never the
+// tile unit: it is for few rows.
 ffi::Error LinearAddF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                         ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::F32> b,
-                        ffi::Buffer<ffi::S32> group, ffi::Buffer<ffi::S32> slot, ffi::ResultBuffer<ffi::F32> out) {
+                        ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions(), hd = h.dimensions(),
              bd = b.dimensions();
   const int64_t K = xd[1], P = wd[0], N = od[1];
   if (wd[1] != K || wd[2] != kPanel || od[0] != xd[0] || (N + kPanel - 1) / kPanel != P)
     return ffi::Error::InvalidArgument("linear_add: x [M, K], packed w [ceil(N / 16), K, 16] and out [M, N] disagree");
-  if (hd.size() != 3 || hd[0] != xd[0] || bd.size() != 4 || bd[0] != P || bd[1] != hd[1] || bd[3] != kPanel ||
-      group.element_count() != P || slot.element_count() != xd[0])
-    return ffi::Error::InvalidArgument(
-        "linear_add: h [M, S, stride], b [P, S, depth, 16], group [P] and slot [M] disagree");
-  const Lora lora{h.typed_data(), hd[1], hd[2], bd[2], b.typed_data(), group.typed_data(), slot.typed_data()};
+  if (hd.size() != 3 || hd[0] != xd[0] || bd[0] != P || bd[1] != hd[2] || bd[2] != kPanel ||
+      group.element_count() != P)
+    return ffi::Error::InvalidArgument("linear_add: h [M, G, depth], b [P, depth, 16] and group [P] disagree");
+  const int32_t* groups = group.typed_data();
   for (int64_t p = 0; p < P; ++p)
-    if (lora.group[p] < 0 || (lora.group[p] + 1) * lora.depth > lora.stride)
-      return ffi::Error::InvalidArgument("linear_add: a group out of range");
-  for (int64_t m = 0; m < xd[0]; ++m)
-    if (lora.slot[m] < -1 || lora.slot[m] >= lora.slots)
-      return ffi::Error::InvalidArgument("linear_add: a slot out of range");
-  return Linear(pool, x.typed_data(), xd[0], K, w.typed_data(), P, rows, out->typed_data(), N, &lora);
+    if (groups[p] < 0 || groups[p] >= hd[1]) return ffi::Error::InvalidArgument("linear_add: a group out of range");
+  return Linear(pool, x.typed_data(), xd[0], K, w.typed_data(), P, rows, out->typed_data(), N, h.typed_data(),
+                hd[1] * hd[2], hd[2], b.typed_data(), groups);
 }
 
 }  // namespace
@@ -222,7 +196,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearAddCpuF32, LinearAddF32,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

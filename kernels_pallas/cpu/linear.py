@@ -35,22 +35,20 @@ def linear_cpu(x: jax.Array, packed: jax.Array, n: int, rows=None) -> jax.Array:
 
 
 def linear_add_cpu(x: jax.Array, packed: jax.Array, n: int, rows, h: jax.Array, b: jax.Array,
-                   group, slot: jax.Array) -> jax.Array:
-    """linear_cpu's x @ w plus, in the same pass, each row's own low-rank product per column panel of w (a
-    LoRA adapter's B: models/lora_packed.py): row t with s = slot[t] >= 0 gets, in panel p's columns,
-    h[t, s, group[p] * depth:][:depth] @ b[p, s]; a row with slot -1 gets none.
+                   group) -> jax.Array:
+    """linear_cpu's x @ w plus, in the same pass, a low-rank product per column panel of w (a LoRA
+    adapter's B: models/lora_packed.py): panel p's columns get h[:, group[p]] @ b[p].
 
-    h: f32 [M, S, stride], each row's activations of every slot, a part's depth of them per group;
-    b: f32 [ceil(n / PANEL), S, depth, PANEL], each panel's [depth, PANEL] rows per slot; group: int32
-    [ceil(n / PANEL)], (group + 1) * depth <= stride; slot: int32 [M] in [-1, S). rows: as linear_cpu's.
-    For few rows: it never takes the tile unit that linear_cpu takes from 64 rows.
+    h: f32 [M, G, depth]; b: f32 [ceil(n / PANEL), depth, PANEL], each panel's [depth, PANEL] rows;
+    group: int32 [ceil(n / PANEL)] in [0, G). rows: as linear_cpu's. For few rows: it never takes the
+    tile unit that linear_cpu takes from 64 rows.
     """
     if not available():
         raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
     if x.dtype != np.float32 or packed.dtype != np.float32 or h.dtype != np.float32 or b.dtype != np.float32:
         raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype}, {packed.dtype}, {h.dtype}, {b.dtype}")
     call = jax.ffi.ffi_call(LINEAR_ADD, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
-    return call(x, packed, _rows_operand(x, rows), h, b, jnp.asarray(group, jnp.int32), jnp.asarray(slot, jnp.int32))
+    return call(x, packed, _rows_operand(x, rows), h, b, jnp.asarray(group, jnp.int32))
 
 
 def linear_onednn_cpu(x: jax.Array, panels: jax.Array, n: int, rows=None) -> jax.Array:

@@ -142,28 +142,21 @@ def test_rows_computes_the_leading_rows_and_zeros_the_padding(linear, pack, comp
 
 
 @pytest.mark.parametrize("rows", (1, 5, 13, 16, 70))
-def test_add_matches_float64_matmul_plus_each_rows_own_slots_product(rows):
-    """linear_add_cpu: x @ w plus, per row t on slot s = slot[t] >= 0 and column panel p, the ranks of
-    panel p's group in h[t, s] times b[p, s] (a LoRA adapter's B laid out in the panels of the base weight);
-    rows on slot -1 get none, and the padding rows after `rows - 1` are zeros."""
+def test_add_matches_float64_matmul_plus_each_panels_product(rows):
+    """linear_add_cpu: x @ w plus, per column panel p, h[:, group[p]] @ b[p] (a LoRA adapter's B laid out
+    in the panels of the base weight), the padding rows after `rows - 1` zeros."""
     linear_add = jax.jit(cpu_kernel.linear_add_cpu, static_argnames="n")
-    cases = [(576, 960, 3, 4, 16, 48), (64, 40, 2, 3, 8, 16), (100, 48, 3, 1, 16, 64), (17, 15, 1, 2, 4, 16)]
-    for i, (k, n, groups, slots, depth, stride) in enumerate(cases):
+    for i, (k, n, groups, depth) in enumerate([(576, 960, 3, 64), (64, 40, 2, 8), (100, 48, 3, 16), (17, 15, 1, 4)]):
         panels = -(-n // cpu_kernel.PANEL)
-        x, w, h = _random((rows, k), i), _random((k, n), 10 + i), _random((rows, slots, stride), 20 + i)
-        b = _random((panels, slots, depth, cpu_kernel.PANEL), 30 + i)
-        rng = np.random.default_rng(i)
-        group = rng.integers(0, groups, panels).astype(np.int32)
-        slot = rng.integers(-1, slots, rows).astype(np.int32)
+        x, w, h = _random((rows, k), i), _random((k, n), 10 + i), _random((rows, groups, depth), 20 + i)
+        b = _random((panels, depth, cpu_kernel.PANEL), 30 + i)
+        group = np.random.default_rng(i).integers(0, groups, panels).astype(np.int32)
         computed = max(rows - 1, 1)
         got = np.asarray(linear_add(jnp.asarray(x), cpu_kernel.pack_columns(jnp.asarray(w)), n=n, rows=computed,
-                                    h=jnp.asarray(h), b=jnp.asarray(b), group=group, slot=jnp.asarray(slot)))
-        # [rows, panels, depth]: each row's own slot's ranks of each panel's group, zeros on slot -1
-        own = h[np.arange(rows)[:, None, None], slot[:, None, None], group[None, :, None] * depth + np.arange(depth)]
-        own = np.where(slot[:, None, None] >= 0, own, 0).astype(np.float64)
-        b_own = b[np.arange(panels)[None, :], slot[:, None]]  # [rows, panels, depth, PANEL]
-        want = x.astype(np.float64) @ w + np.einsum("tpd,tpdc->tpc", own, b_own).reshape(rows, -1)[:, :n]
+                                    h=jnp.asarray(h), b=jnp.asarray(b), group=group))
+        per_panel = np.einsum("tpd,pdc->tpc", h[:, group].astype(np.float64), b).reshape(rows, -1)[:, :n]
+        want = x.astype(np.float64) @ w + per_panel
         scale = np.abs(x).astype(np.float64) @ np.abs(w) + np.einsum(
-            "tpd,tpdc->tpc", np.abs(own), np.abs(b_own)).reshape(rows, -1)[:, :n]
+            "tpd,pdc->tpc", np.abs(h[:, group]).astype(np.float64), np.abs(b)).reshape(rows, -1)[:, :n]
         assert np.all(np.abs(got[:computed] - want[:computed]) <= 1e-6 * (k + depth) * scale[:computed] + 1e-30)
         assert not got[computed:].any()
