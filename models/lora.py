@@ -79,7 +79,7 @@ class LoRAProjection:
             jax.lax.dynamic_update_index_in_dim(old, (part * scale).T.astype(old.dtype), index, axis=0)
             for old, part in zip(self.b, b, strict=True)))
 
-    def addend(self, x: jax.Array, onehot: jax.Array, rows) -> None:
+    def addend(self, x: jax.Array, onehot: jax.Array, index: jax.Array, rows) -> None:
         """None: this layout's delta is `delta`'s, per part (lora_packed.PackedProjection's is an addend to
         the base matmul, whole)."""
 
@@ -95,15 +95,17 @@ class LoRAProjection:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerLoRA:
-    """What one decoder layer's projections take: their slots' weights, and each row's slot as a one-hot."""
+    """What one decoder layer's projections take: their slots' weights, and each row's slot as a one-hot
+    (XLA's dots) and as an index (the packed slots' C++ kernel)."""
 
     projections: dict[str, LoRAProjection]  # GROUPS' names
     onehot: jax.Array  # [num_tokens, max_loras], the activations' dtype
+    index: jax.Array  # int32 [num_tokens], LoRARows.index
 
     def addend(self, group: str, x: jax.Array, rows=None) -> tuple | None:
         """What projection `group`'s base matmul adds (layers.linear's `add`, a lora_packed.Addend) for its
         input x [num_tokens, in], or None (XLA-layout slots): then add `delta`'s."""
-        return self.projections[group].addend(x, self.onehot, rows)
+        return self.projections[group].addend(x, self.onehot, self.index, rows)
 
     def delta(self, group: str, x: jax.Array, rows=None) -> tuple[jax.Array, ...]:
         """The delta of projection `group` (a GROUPS name) on its input x [num_tokens, in], one per part;
@@ -150,7 +152,7 @@ class LoRAWeights:
         if used != self.max_loras:
             index = jnp.maximum(rows.slots - 1, 0)
             by_layer = tuple({g: p.take(index) for g, p in layer.items()} for layer in by_layer)
-        return tuple(LayerLoRA(projections, onehot) for projections in by_layer)
+        return tuple(LayerLoRA(projections, onehot, rows.index) for projections in by_layer)
 
 
 def _projection(config: ModelConfig, group: str, max_loras: int, rank: int, dtype, packed: bool):

@@ -2,12 +2,13 @@
 
 A decode step's deltas were hundreds of small XLA dots, each repacking its weight on every call (1.41x
 the base step on the Xeon 6/207, scripts/bench_lora.py). Packed like the base weights, a fused
-projection's delta is two calls of kernels_pallas/cpu/linear.cc: x @ A of every slot (one call), then,
-inside the base matmul's own pass over its output (linear_add_cpu), each output panel's B rows times
-its part's masked rank activations. B is laid out in the fused projection's output order (layers.py:
-q/k/v interleaved per KV head, gate then up), each panel of PANEL columns within one part, so nothing
-block-diagonal is multiplied. Steps of PACKED_MAX_ROWS rows and more (prefill) take XLA's dots over an
-unpacked copy instead, faster there, B's product in one dot whose output is in the fused order.
+projection's delta is two C++ calls: each row's own slot's x @ A (lora_shrink_cpu, kernels_pallas/cpu/
+lora_shrink.cc, which picks the slot: no mask in XLA), then, inside the base matmul's own pass over its
+output (linear_add_cpu, linear.cc), each output panel's B rows times its part's rank activations. B is
+laid out in the fused projection's output order (layers.py: q/k/v interleaved per KV head, gate then
+up), each panel of PANEL columns within one part, so nothing block-diagonal is multiplied. Steps of
+PACKED_MAX_ROWS rows and more (prefill) take XLA's dots over an unpacked copy instead, faster there, B's
+product in one dot whose output is in the fused order.
 """
 
 import dataclasses
@@ -97,28 +98,26 @@ class PackedProjection:
         return dataclasses.replace(self, a=jax.lax.dynamic_update_index_in_dim(self.a, a, index, axis=0),
                                    b=jax.lax.dynamic_update_index_in_dim(self.b, b, index, axis=1))
 
-    def addend(self, x: jax.Array, onehot: jax.Array, rows) -> "Addend":
+    def addend(self, x: jax.Array, onehot: jax.Array, index: jax.Array, rows) -> "Addend":
         """The delta as layers.linear adds it to the base matmul. x: [num_tokens, in]; onehot: [num_tokens,
-        max_loras] float32, row t's slot s >= 1 at s - 1 (all zeros: the base model); rows: int32 scalar, the
-        leading rows that are real tokens, or None: all.
+        max_loras] float32, row t's slot s >= 1 at s - 1 (all zeros: the base model); index: int32
+        [num_tokens], the same s - 1 (-1: the base model); rows: int32 scalar, the leading rows that are real
+        tokens, or None: all.
 
-        Fewer than PACKED_MAX_ROWS rows: by panels, x @ A of every slot by the C++ kernel, each row's own
-        slot's rank activations kept. Else dense, XLA's dots over an unpacked copy: h [num_tokens, parts *
-        max_loras * max_rank] (part-major) and B with each part's rows zero outside its own columns, so
-        that one dot gives the delta in the fused projection's column order, with no per-part outputs to
-        put together (a 512-row prefill's deltas are as large as its outputs)."""
+        Fewer than PACKED_MAX_ROWS rows: by panels, each row's own slot's rank activations by the C++ kernel
+        (lora_shrink_cpu picks the slot: no mask in XLA, no other slot's A multiplied). Else dense, XLA's
+        dots over an unpacked copy: h [num_tokens, parts * max_loras * max_rank] (part-major) and B with
+        each part's rows zero outside its own columns, so that one dot gives the delta in the fused
+        projection's column order, with no per-part outputs to put together (a 512-row prefill's deltas
+        are as large as its outputs)."""
         n, panels, k, _ = self.a.shape
         parts, r = len(self.out), self.rank
         if x.shape[0] < PACKED_MAX_ROWS:
-            h = cpu_kernel.linear_cpu(x, self.a.reshape(n * panels, k, PANEL), n * panels * PANEL, rows)
-        else:
-            a = self.a.transpose(2, 0, 1, 3).reshape(k, n * panels * PANEL)
-            h = jnp.dot(x, a)
-        h = h.reshape(-1, n, panels * PANEL)[:, :, : parts * r].reshape(-1, n, parts, r) * onehot[:, :, None, None]
-        h = h.transpose(0, 2, 1, 3)  # [num_tokens, parts, max_loras, max_rank]
-        if x.shape[0] < PACKED_MAX_ROWS:
-            return Addend(h.reshape(-1, parts, n * r), self.b.reshape(len(self.parts), n * r, PANEL),
-                          np.asarray(self.parts, np.int32))
+            h = cpu_kernel.lora_shrink_cpu(x, self.a, index, parts, r, rows)  # [num_tokens, parts, max_loras * r]
+            return Addend(h, self.b.reshape(len(self.parts), n * r, PANEL), np.asarray(self.parts, np.int32))
+        a = self.a.transpose(2, 0, 1, 3).reshape(k, n * panels * PANEL)
+        h = jnp.dot(x, a).reshape(-1, n, panels * PANEL)[:, :, : parts * r].reshape(-1, n, parts, r)
+        h = (h * onehot[:, :, None, None]).transpose(0, 2, 1, 3)  # [num_tokens, parts, max_loras, max_rank]
         own = np.repeat(np.asarray(self.parts)[None, :] == np.arange(parts)[:, None], PANEL, axis=1)  # [parts, cols]
         b = self.b.transpose(1, 2, 0, 3).reshape(1, n * r, -1) * own[:, None, :]
         return Addend(h.reshape(-1, parts * n * r), b.reshape(parts * n * r, -1)[:, : sum(self.out)])

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cpu.library import (LINEAR, LINEAR_ADD, LINEAR_INT8, LINEAR_ONEDNN, available,
+from kernels_pallas.cpu.library import (LINEAR, LINEAR_ADD, LINEAR_INT8, LINEAR_ONEDNN, LORA_SHRINK, available,
                                         onednn_available, onednn_error)
 from kernels_pallas.cpu.packing import pack_columns, pack_panels
 
@@ -49,6 +49,22 @@ def linear_add_cpu(x: jax.Array, packed: jax.Array, n: int, rows, h: jax.Array, 
         raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype}, {packed.dtype}, {h.dtype}, {b.dtype}")
     call = jax.ffi.ffi_call(LINEAR_ADD, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
     return call(x, packed, _rows_operand(x, rows), h, b, jnp.asarray(group, jnp.int32))
+
+
+def lora_shrink_cpu(x: jax.Array, a: jax.Array, slot: jax.Array, parts: int, rank: int, rows=None) -> jax.Array:
+    """Each row's own LoRA slot's rank activations, laid out as linear_add_cpu's h, zeros elsewhere: for row
+    t with s = slot[t] >= 0, h[t, g, s * rank:(s + 1) * rank] = (x[t] @ A_s)[g * rank:(g + 1) * rank].
+
+    x: f32 [M, K]; a: f32 [S, Pa, K, PANEL], slot s's A [K, parts * rank] (part-major) as pack_columns
+    gives it; slot: int32 [M] in [-1, S) (-1: none); rows: as linear_cpu's. Returns f32 [M, parts, S * rank].
+    For few rows: one thread, each slot's rows gathered (a slot no row uses costs nothing).
+    """
+    if not available():
+        raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
+    if x.dtype != np.float32 or a.dtype != np.float32:
+        raise ValueError(f"the CPU LoRA kernel takes float32, got {x.dtype} and {a.dtype}")
+    call = jax.ffi.ffi_call(LORA_SHRINK, jax.ShapeDtypeStruct((x.shape[0], parts, a.shape[0] * rank), x.dtype))
+    return call(x, a, jnp.asarray(slot, jnp.int32), _rows_operand(x, rows))
 
 
 def linear_onednn_cpu(x: jax.Array, panels: jax.Array, n: int, rows=None) -> jax.Array:

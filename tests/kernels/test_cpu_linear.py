@@ -160,3 +160,32 @@ def test_add_matches_float64_matmul_plus_each_panels_product(rows):
             "tpd,pdc->tpc", np.abs(h[:, group]).astype(np.float64), np.abs(b)).reshape(rows, -1)[:, :n]
         assert np.all(np.abs(got[:computed] - want[:computed]) <= 1e-6 * (k + depth) * scale[:computed] + 1e-30)
         assert not got[computed:].any()
+
+
+@pytest.mark.parametrize("rows", (1, 5, 16, 30, 63))
+def test_lora_shrink_matches_float64_per_row_slot(rows):
+    """lora_shrink_cpu: row t with slot s >= 0 gets (x[t] @ A_s) split by part into h[t, g, s * r:(s + 1) * r],
+    every other entry zero (slot -1, other slots, the padding rows after `rows - 1`); slots of many rows
+    take several row tiles, a slot no row names is never read."""
+    shrink = jax.jit(cpu_kernel.lora_shrink_cpu, static_argnames=("parts", "rank"))
+    for i, (k, slots, parts, rank) in enumerate([(576, 4, 3, 16), (1536, 4, 1, 16), (64, 3, 2, 8), (17, 2, 3, 4)]):
+        x, a = _random((rows, k), i), _random((slots, k, parts * rank), 10 + i)
+        packed = jnp.stack([cpu_kernel.pack_columns(jnp.asarray(a[s])) for s in range(slots)])
+        slot = np.random.default_rng(i).integers(-1, slots - (i == 2), rows).astype(np.int32)  # case 2: a slot unused
+        computed = max(rows - 1, 1)
+        got = np.asarray(shrink(jnp.asarray(x), packed, jnp.asarray(slot), parts=parts, rank=rank, rows=computed))
+        assert got.shape == (rows, parts, slots * rank)
+        want, scale = np.zeros(got.shape), np.zeros(got.shape)
+        for t in range(computed):
+            if slot[t] >= 0:
+                columns = np.s_[t, :, slot[t] * rank:(slot[t] + 1) * rank]
+                want[columns] = (x[t].astype(np.float64) @ a[slot[t]]).reshape(parts, rank)
+                scale[columns] = (np.abs(x[t]).astype(np.float64) @ np.abs(a[slot[t]])).reshape(parts, rank)
+        assert np.all(np.abs(got - want) <= 1e-6 * k * scale)  # zeros exactly where want is zero
+
+
+def test_lora_shrink_refuses_a_slot_out_of_range():
+    packed = jnp.stack([cpu_kernel.pack_columns(jnp.ones((8, 4), jnp.float32))] * 2)
+    with pytest.raises(Exception, match="slot out of range"):
+        jax.block_until_ready(cpu_kernel.lora_shrink_cpu(jnp.ones((3, 8), jnp.float32), packed,
+                                                         jnp.asarray([0, 2, -1], jnp.int32), 1, 4))
