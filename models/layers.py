@@ -38,7 +38,7 @@ def linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool,
     C++ kernel, which computes only the leading `rows` rows (int32 scalar: the step's real tokens;
     None: all) and gives zeros for the padding after them. panels: the same weight in oneDNN's layout
     (cpu_kernel.pack_panels), which a step of at least onednn_rows tokens multiplies by instead. add: a
-    packed LoRA delta to add (lora_packed.Addend), in the float32 kernel's own pass where it can."""
+    packed LoRA delta to add (lora_packed.Addend), by the C++ LoRA kernel where the float32 one multiplies."""
     n = math.prod(out_shape)
     if not packed:
         out = jnp.tensordot(x, w, axes=1)
@@ -51,7 +51,7 @@ def linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool,
         if add is None:
             out = matmul(x, w, n, rows)
         elif matmul is cpu_kernel.linear_cpu and add.groups is not None:
-            out = cpu_kernel.linear_add_cpu(x, w, n, rows, add.h, add.b, add.groups)
+            out = cpu_kernel.lora_expand_cpu(matmul(x, w, n, rows), add.h, add.b, add.groups, add.slot, rows)
         else:
             out = add.added_to(matmul(x, w, n, rows))
         return out.reshape(x.shape[0], *out_shape)

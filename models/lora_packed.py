@@ -2,11 +2,12 @@
 
 A decode step's deltas were hundreds of small XLA dots, each repacking its weight on every call (1.41x
 the base step on the Xeon 6/207, scripts/bench_lora.py). Packed like the base weights, a fused
-projection's delta is two C++ calls: each row's own slot's x @ A (lora_shrink_cpu, kernels_pallas/cpu/
-lora_shrink.cc, which picks the slot: no mask in XLA), then, inside the base matmul's own pass over its
-output (linear_add_cpu, linear.cc), each output panel's B rows times its part's rank activations. B is
-laid out in the fused projection's output order (layers.py: q/k/v interleaved per KV head, gate then
-up), each panel of PANEL columns within one part, so nothing block-diagonal is multiplied. Steps of
+projection's delta is two C++ calls (kernels_pallas/cpu/lora.cc) around the unchanged base matmul: each
+row's x @ A of its own slot (lora_shrink_cpu, which picks the slot: no mask in XLA), then, added to the
+base output in place, each row's rank activations times its own slot's B rows of each output panel
+(lora_expand_cpu). B is laid out in the fused projection's output order (layers.py: q/k/v interleaved
+per KV head, gate then up), each panel of PANEL columns within one part, so nothing block-diagonal is
+multiplied. Steps of
 PACKED_MAX_ROWS rows and more (prefill) take XLA's dots over an unpacked copy instead, faster there, B's
 product in one dot whose output is in the fused order.
 """
@@ -114,7 +115,7 @@ class PackedProjection:
         parts, r = len(self.out), self.rank
         if x.shape[0] < PACKED_MAX_ROWS:
             h = cpu_kernel.lora_shrink_cpu(x, self.a, index, parts, r, rows)  # [num_tokens, parts, max_loras * r]
-            return Addend(h, self.b.reshape(len(self.parts), n * r, PANEL), np.asarray(self.parts, np.int32))
+            return Addend(h, self.b, np.asarray(self.parts, np.int32), index)
         a = self.a.transpose(2, 0, 1, 3).reshape(k, n * panels * PANEL)
         h = jnp.dot(x, a).reshape(-1, n, panels * PANEL)[:, :, : parts * r].reshape(-1, n, parts, r)
         h = (h * onehot[:, :, None, None]).transpose(0, 2, 1, 3)  # [num_tokens, parts, max_loras, max_rank]
@@ -127,19 +128,23 @@ class PackedProjection:
 class Addend:
     """A packed LoRA delta that layers.linear adds to a base matmul's output [num_tokens, out].
 
-    groups given (few rows): h float32 [num_tokens, G, depth], b [ceil(out / PANEL), depth, PANEL], groups
-        int32 [ceil(out / PANEL)]: panel p's columns get h[:, groups[p]] @ b[p], in linear_add_cpu's pass.
+    groups given (few rows): h float32 [num_tokens, G, max_loras * max_rank] (lora_shrink_cpu's: each row's
+        own slot's rank activations, zeros elsewhere), b [ceil(out / PANEL), max_loras, max_rank, PANEL],
+        groups int32 [ceil(out / PANEL)], slot int32 [num_tokens] (each row's, 0-based; -1: none): panel p's
+        columns get h[t, groups[p], slot's ranks] @ b[p, slot], by lora_expand_cpu after the base matmul.
     groups None: h [num_tokens, depth] @ b [depth, out], by XLA after the base matmul.
     """
 
     h: jax.Array
     b: jax.Array
     groups: np.ndarray | None = None
+    slot: jax.Array | None = None
 
     def added_to(self, out: jax.Array) -> jax.Array:
         """out [num_tokens, out] plus this delta, by XLA (groups given: a base matmul that is not linear.cc's,
         int8 weights or oneDNN, or XLA's own)."""
         if self.groups is None:
             return out + jnp.dot(self.h, self.b)
-        per_panel = jnp.einsum("tpd,pdc->tpc", self.h[:, self.groups], self.b)
+        b = self.b.reshape(len(self.groups), -1, PANEL)  # the other slots' rows meet h's zeros
+        per_panel = jnp.einsum("tpd,pdc->tpc", self.h[:, self.groups], b)
         return out + per_panel.reshape(out.shape[0], -1)[:, : out.shape[1]]

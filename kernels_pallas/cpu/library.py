@@ -2,7 +2,7 @@
 (-march=native), kept in the cache directory keyed by the sources, the compiler flags and the CPU (so
 later runs load them at once), loaded, and their entry points registered with XLA's FFI under the
 target names below. One library holds attention.cc, linear.cc, linear_int8.cc, kv_write.cc and
-lora_shrink.cc; a second, built where the oneDNN wheels are installed, oneDNN's matmul (onednn_linear.cc).
+lora.cc; a second, built where the oneDNN wheels are installed, oneDNN's matmul (onednn_linear.cc).
 
 Where no compiler works, `available()` is False, `build_error()` says why, and the engine stays on the
 pure-XLA paths (cpu/xla.py, XLA's dot). The library's switches (its helper threads, the AMX tile unit)
@@ -24,7 +24,7 @@ import jax
 
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc", "linear_int8.cc", "kv_write.cc",
-                                          "lora_shrink.cc"))
+                                          "lora.cc"))
 _HEADERS = (_HERE / "common.h", _HERE / "linear_amx.h")
 _ONEDNN_SOURCES = (_HERE / "onednn_linear.cc",)
 # The FFI targets the libraries register, which the wrappers (attention.py, linear.py) call.
@@ -32,6 +32,7 @@ ATTENTION = "paged_jax_paged_attention_cpu"
 LINEAR = "paged_jax_linear_cpu_f32"
 LINEAR_ADD = "paged_jax_linear_add_cpu_f32"
 LORA_SHRINK = "paged_jax_lora_shrink_cpu_f32"
+LORA_EXPAND = "paged_jax_lora_expand_cpu_f32"
 LINEAR_INT8 = "paged_jax_linear_cpu_int8"
 LINEAR_ONEDNN = "paged_jax_linear_onednn_f32"
 WRITE_KV = "paged_jax_write_kv_cpu_bf16"
@@ -107,6 +108,7 @@ def build_error() -> str | None:
     jax.ffi.register_ffi_target(LINEAR, jax.ffi.pycapsule(library.LinearCpuF32), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR_ADD, jax.ffi.pycapsule(library.LinearAddCpuF32), platform="cpu")
     jax.ffi.register_ffi_target(LORA_SHRINK, jax.ffi.pycapsule(library.LoraShrinkCpuF32), platform="cpu")
+    jax.ffi.register_ffi_target(LORA_EXPAND, jax.ffi.pycapsule(library.LoraExpandCpuF32), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR_INT8, jax.ffi.pycapsule(library.LinearCpuInt8), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_KV, jax.ffi.pycapsule(library.WriteKvCpuBf16), platform="cpu")
     jax.ffi.register_ffi_target(UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")

@@ -189,3 +189,26 @@ def test_lora_shrink_refuses_a_slot_out_of_range():
     with pytest.raises(Exception, match="slot out of range"):
         jax.block_until_ready(cpu_kernel.lora_shrink_cpu(jnp.ones((3, 8), jnp.float32), packed,
                                                          jnp.asarray([0, 2, -1], jnp.int32), 1, 4))
+
+
+@pytest.mark.parametrize("rows", (1, 5, 16, 30, 63))
+def test_lora_expand_adds_each_rows_own_slots_product(rows):
+    """lora_expand_cpu: out plus, for row t with slot s >= 0, in panel p's columns h[t, group[p], s's ranks] @
+    b[p, s]; rows of slot -1 and the padding rows after `rows - 1` keep out as it was. h's other slots'
+    entries are not zero here, so a kernel that read them would be caught."""
+    expand = jax.jit(cpu_kernel.lora_expand_cpu)
+    for i, (n, slots, groups, rank) in enumerate([(960, 4, 3, 16), (576, 4, 1, 16), (40, 3, 2, 8), (15, 2, 3, 4)]):
+        panels = -(-n // cpu_kernel.PANEL)
+        out, h = _random((rows, n), i), _random((rows, groups, slots * rank), 10 + i)
+        b = _random((panels, slots, rank, cpu_kernel.PANEL), 20 + i)
+        rng = np.random.default_rng(i)
+        group, slot = rng.integers(0, groups, panels).astype(np.int32), rng.integers(-1, slots, rows).astype(np.int32)
+        computed = max(rows - 1, 1)
+        got = np.asarray(expand(jnp.asarray(out), jnp.asarray(h), jnp.asarray(b), group, jnp.asarray(slot), computed))
+        want, scale = out.astype(np.float64), np.abs(out).astype(np.float64)
+        for t in range(computed):
+            if slot[t] >= 0:
+                own = h[t, group, slot[t] * rank:(slot[t] + 1) * rank].astype(np.float64)  # [panels, rank]
+                want[t] += np.einsum("pr,prc->pc", own, b[:, slot[t]]).reshape(-1)[:n]
+                scale[t] += np.einsum("pr,prc->pc", np.abs(own), np.abs(b[:, slot[t]])).reshape(-1)[:n]
+        assert np.all(np.abs(got - want) <= 1e-6 * (rank + 1) * scale)
