@@ -46,31 +46,13 @@ constexpr int kVecsPerPanel = kPanel / kLanes;
 // 78-81 against 102-107 (bench_matmul_cpu.py --fma, 30 layers).
 constexpr int64_t kAmxMinRows = 64;
 
-// A second product a tile adds to its own (LinearAddF32): per panel q of the tile, rows of h (ldh apart,
-// from x[q], the panel's group of h) times the panel's [depth, kPanel] rows at w. depth 0: none.
-struct Addend {
-  const float* x[kTilePanels];
-  int64_t ldh = 0, depth = 0;
-  const float* w = nullptr;
-};
-
-// out[0:MR, 0:n_valid] = x[0:MR, :] @ the NP panels at w (+ add's product); rows of x are ldx apart, of
-// out ldo apart. Meanwhile prefetches its share of the next item.
+// out[0:MR, 0:n_valid] = x[0:MR, :] @ the NP panels at w; rows of x are ldx apart, of out ldo apart.
+// Meanwhile prefetches its share of the next item.
 template <int MR, int NP>
 void Tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo, int64_t n_valid,
-          paged_jax::TilePrefetch next, const Addend& add) {
+          paged_jax::TilePrefetch next) {
   constexpr int V = NP * kVecsPerPanel;
   Vec acc[MR][V] = {};
-  for (int64_t k = 0; k < add.depth; ++k) {
-    Vec wv[V];
-#pragma GCC unroll 8
-    for (int j = 0; j < V; ++j)
-      wv[j] = Load(add.w + (j / kVecsPerPanel) * add.depth * kPanel + k * kPanel + (j % kVecsPerPanel) * kLanes);
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-      for (int j = 0; j < V; ++j) acc[m][j] += add.x[j / kVecsPerPanel][m * add.ldh + k] * wv[j];
-  }
   for (int64_t k = 0; k < K; ++k) {
     next.Step(k);
     Vec wv[V];
@@ -97,23 +79,27 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, in
 // Tile<rows, NP> for a run-time rows in [1, kRows].
 template <int NP, int MR = 1>
 void TileRows(int rows, const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
-              int64_t n_valid, paged_jax::TilePrefetch next, const Addend& add) {
+              int64_t n_valid, paged_jax::TilePrefetch next) {
   if constexpr (MR <= kRows) {
-    if (rows == MR) return Tile<MR, NP>(x, ldx, w, K, out, ldo, n_valid, next, add);
-    TileRows<NP, MR + 1>(rows, x, ldx, w, K, out, ldo, n_valid, next, add);
+    if (rows == MR) return Tile<MR, NP>(x, ldx, w, K, out, ldo, n_valid, next);
+    TileRows<NP, MR + 1>(rows, x, ldx, w, K, out, ldo, n_valid, next);
   }
 }
 
-// out = x @ w, plus where h is given, per panel p of w, h[:, group[p]] @ b[p]: h [M, G, depth], b packed
-// [P, depth, kPanel], group int32 [P]. The sum starts from the addend, so out's rounding is the sum's.
-ffi::Error Linear(ffi::ThreadPool& pool, const float* xs, int64_t M_all, int64_t K, const float* ws, int64_t P,
-                  const ffi::Buffer<ffi::S32>& rows, float* outs, int64_t N, const float* hs = nullptr,
-                  int64_t ldh = 0, int64_t depth = 0, const float* bs = nullptr, const int32_t* group = nullptr) {
-  const int64_t M = paged_jax::ComputedRows(rows, M_all, outs, N);
+ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const int64_t K = xd[1], P = wd[0], N = od[1];
+  if (wd[1] != K || wd[2] != kPanel || od[0] != xd[0] || (N + kPanel - 1) / kPanel != P)
+    return ffi::Error::InvalidArgument("linear: x [M, K], packed w [ceil(N / 16), K, 16] and out [M, N] disagree");
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
+  float* outs = out->typed_data();
+  const int64_t M = paged_jax::ComputedRows(rows, xd[0], outs, N);
   if (M == 0) return ffi::Error::Success();
 #if PAGED_JAX_AMX
   static_assert(paged_jax::amx::kItemPanels == kTilePanels, "both kernels share the work items' width");
-  if (hs == nullptr && M >= kAmxMinRows && paged_jax::amx::Linear(pool, xs, ws, outs, M, K, P, N))
+  if (M >= kAmxMinRows && paged_jax::amx::Linear(pool, xs, ws, outs, M, K, P, N))
     return ffi::Error::Success();
 #endif
   const int64_t items = (P + kTilePanels - 1) / kTilePanels;
@@ -131,16 +117,10 @@ ffi::Error Linear(ffi::ThreadPool& pool, const float* xs, int64_t M_all, int64_t
       for (int64_t t = 0, m = 0, rows; t < tiles; ++t, m += rows) {
         rows = M / tiles + (t < M % tiles);
         const paged_jax::TilePrefetch next(wa, pa, K, t, tiles);  // a panel's line: one k's kPanel floats
-        Addend add;
-        if (hs != nullptr) {
-          add.ldh = ldh, add.depth = depth, add.w = bs + p * depth * kPanel;
-          for (int q = 0; q < kTilePanels; ++q)
-            add.x[q] = hs + m * ldh + group[std::min<int64_t>(p + q, P - 1)] * depth;
-        }
         if (P - p >= kTilePanels)
-          TileRows<kTilePanels>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, next, add);
+          TileRows<kTilePanels>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, next);
         else  // an odd last panel
-          TileRows<1>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, next, add);
+          TileRows<1>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, next);
       }
     }
   };
@@ -148,52 +128,11 @@ ffi::Error Linear(ffi::ThreadPool& pool, const float* xs, int64_t M_all, int64_t
   return ffi::Error::Success();
 }
 
-ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  const int64_t K = xd[1], P = wd[0], N = od[1];
-  if (wd[1] != K || wd[2] != kPanel || od[0] != xd[0] || (N + kPanel - 1) / kPanel != P)
-    return ffi::Error::InvalidArgument("linear: x [M, K], packed w [ceil(N / 16), K, 16] and out [M, N] disagree");
-  return Linear(pool, x.typed_data(), xd[0], K, w.typed_data(), P, rows, out->typed_data(), N);
-}
-
-// LinearF32's product plus a low-rank one per panel (a LoRA adapter's B, models/lora_packed.py), in the
-// same pass over out: h [M, G, depth] f32, b [P, depth, 16] f32, group [P] int32 in [0, G). Never the
-// tile unit: it is for few rows.
-ffi::Error LinearAddF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::F32> b,
-                        ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions(), hd = h.dimensions(),
-             bd = b.dimensions();
-  const int64_t K = xd[1], P = wd[0], N = od[1];
-  if (wd[1] != K || wd[2] != kPanel || od[0] != xd[0] || (N + kPanel - 1) / kPanel != P)
-    return ffi::Error::InvalidArgument("linear_add: x [M, K], packed w [ceil(N / 16), K, 16] and out [M, N] disagree");
-  if (hd.size() != 3 || hd[0] != xd[0] || bd[0] != P || bd[1] != hd[2] || bd[2] != kPanel ||
-      group.element_count() != P)
-    return ffi::Error::InvalidArgument("linear_add: h [M, G, depth], b [P, depth, 16] and group [P] disagree");
-  const int32_t* groups = group.typed_data();
-  for (int64_t p = 0; p < P; ++p)
-    if (groups[p] < 0 || groups[p] >= hd[1]) return ffi::Error::InvalidArgument("linear_add: a group out of range");
-  return Linear(pool, x.typed_data(), xd[0], K, w.typed_data(), P, rows, out->typed_data(), N, h.typed_data(),
-                hd[1] * hd[2], hd[2], b.typed_data(), groups);
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpuF32, LinearF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearAddCpuF32, LinearAddF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cpu.library import (LINEAR, LINEAR_ADD, LINEAR_INT8, LINEAR_ONEDNN, LORA_EXPAND, LORA_SHRINK,
-                                        available,
+from kernels_pallas.cpu.library import (LINEAR, LINEAR_INT8, LINEAR_ONEDNN, LORA_EXPAND, LORA_SHRINK, available,
                                         onednn_available, onednn_error)
 from kernels_pallas.cpu.packing import pack_columns, pack_panels
 
@@ -33,23 +32,6 @@ def linear_cpu(x: jax.Array, packed: jax.Array, n: int, rows=None) -> jax.Array:
         raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype} and {packed.dtype}")
     call = jax.ffi.ffi_call(LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
     return call(x, packed, _rows_operand(x, rows))
-
-
-def linear_add_cpu(x: jax.Array, packed: jax.Array, n: int, rows, h: jax.Array, b: jax.Array,
-                   group) -> jax.Array:
-    """linear_cpu's x @ w plus, in the same pass, a low-rank product per column panel of w (a LoRA
-    adapter's B: models/lora_packed.py): panel p's columns get h[:, group[p]] @ b[p].
-
-    h: f32 [M, G, depth]; b: f32 [ceil(n / PANEL), depth, PANEL], each panel's [depth, PANEL] rows;
-    group: int32 [ceil(n / PANEL)] in [0, G). rows: as linear_cpu's. For few rows: it never takes the
-    tile unit that linear_cpu takes from 64 rows.
-    """
-    if not available():
-        raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
-    if x.dtype != np.float32 or packed.dtype != np.float32 or h.dtype != np.float32 or b.dtype != np.float32:
-        raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype}, {packed.dtype}, {h.dtype}, {b.dtype}")
-    call = jax.ffi.ffi_call(LINEAR_ADD, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
-    return call(x, packed, _rows_operand(x, rows), h, b, jnp.asarray(group, jnp.int32))
 
 
 def lora_shrink_cpu(x: jax.Array, a: jax.Array, slot: jax.Array, parts: int, rank: int, rows=None) -> jax.Array:
