@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from paged_jax.spec_decode.ngram import propose_ngram
-from paged_jax.spec_decode.suffix import SuffixOptions, SuffixProposer, SuffixTrie
+from paged_jax.spec_decode.suffix import SuffixOptions, SuffixProposer, SuffixTrie, own_draft
 
 
 def ngram_by_definition(tokens, k, min_n, max_n):
@@ -97,9 +97,6 @@ def test_suffix_shares_finished_outputs_and_stays_bounded():
         proposer.finish(seq_id, [seq_id, seq_id + 1, seq_id + 2])
     assert trie_counts(proposer.shared) == substring_counts([[38, 39, 40], [39, 40, 41]], 6)
     assert proposer.propose(50, [3, 3, 10, 11, 12], k=3) == []  # the first output has left
-    proposer.finish(1, [])
-    proposer.finish(50, [])
-    assert proposer._own == {}  # finished sequences' own tries are dropped
 
 
 def test_suffix_stops_where_the_continuation_is_uncertain():
@@ -116,12 +113,16 @@ def test_suffix_chances_ignore_occurrences_that_end_the_text():
 
 
 @pytest.mark.parametrize("vocab", [2, 5])
-def test_suffix_longest_open_path_is_the_longest_match(vocab):
+def test_suffix_own_draft_is_the_trie_draft_over_the_same_text(vocab):
+    # A trie deeper than the text never cuts a path, so it drafts exactly what own_draft finds from
+    # the occurrences (the same counts, ties to the earliest, the same matching again at the end).
     rng = random.Random(vocab)
-    for _ in range(200):
+    for _ in range(300):
         tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
-        trie = SuffixTrie(depth=6)
-        paths = trie.extend([(trie.root, 0)], tokens)
-        node, m = trie.longest_open(paths)
-        expected = trie.match(tokens, trie.depth - 1)
-        assert (m, node is None) == (expected[1], expected[0] is None) and node is expected[0]
+        k = rng.randrange(1, 8)
+        prob, factor = rng.choice([0.0, 0.1, 0.3]), rng.choice([0.5, 1.0, 4.0])
+        trie = SuffixTrie(depth=60)
+        trie.extend([(trie.root, 0)], tokens)
+        expected = trie.draft(tokens, k, prob, factor)
+        got = own_draft(np.asarray(tokens), k, trie.depth - 1, prob, factor)
+        assert got[0] == expected[0] and got[1] == pytest.approx(expected[1]), (tokens, k, prob, factor)
