@@ -22,11 +22,14 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.1
     acceptance_window: int = 32
     # Suffix decoding (vLLM's names): the trie's depth, the finished outputs it holds, the least
-    # estimated chance of a draft token, and drafts per matched token.
+    # estimated chance of a draft token, and drafts per matched token. vLLM's factor is 1 (with k
+    # at the trie's depth by default); at k = 5 a short match just after an edit then drafts one or
+    # two tokens where prompt lookup drafts five, and on replayed greedy outputs (spec_replay.py)
+    # 2 took fewer steps than 1 and than prompt lookup on every workload of bench_spec.py.
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_min_token_prob: float = 0.1
-    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_max_spec_factor: float = 2.0
 
     def __post_init__(self):
         if self.method not in METHODS:
