@@ -6,8 +6,8 @@ and way of serving (in the process, and through the OpenAI server).
                                  [--requests 2] [--max-tokens 64] [--json out/spec.json]
 
 Workloads (spec_workloads.py): (a) outputs that repeat their inputs, from what Python ships: `edit`
-(a stdlib function returned whole with one name changed), `rewrite` (a stdlib docstring written again
-with one word changed), `quote` (one paragraph quoted from about 900 tokens of stdlib documentation);
+(a stdlib function returned whole with one name changed), `rewrite` (a stdlib docstring copied with
+one word in capitals), `quote` (one docstring copied out of about 900 tokens of stdlib docstrings);
 (b) `w1`, W1's first requests (../shared/workloads/w1.json), where nothing repeats. A cell (workload,
 concurrency c) has max(c, --requests) requests, each at most --max-tokens long, greedy, EOS ignored,
 kept c at a time (closed loop).
