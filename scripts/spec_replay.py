@@ -2,7 +2,7 @@
 hold on any machine.
 
     python scripts/spec_replay.py [--workloads edit,rewrite,quote,w1] [--requests 4] [--max-tokens 64]
-                                  [--k 5] [--show 1]
+                                  [--k 5] [--max-spec-factor 2] [--show 1]
 
 The workloads' greedy outputs are generated once without speculation (bench_spec.run); then each
 request is replayed per proposer as the engine would decode it at concurrency 1: its first output
@@ -29,9 +29,11 @@ from paged_jax.spec_decode.ngram import propose_ngram
 from paged_jax.spec_decode.suffix import SuffixOptions, SuffixProposer
 
 
-def proposers(k: int):
-    """Name -> (a fresh proposer: (seq id, tokens, k) -> drafts, and a finish(seq id, output) hook)."""
+def proposers(max_spec_factor: float | None = None):
+    """Name -> (a fresh proposer: (seq id, tokens, k) -> drafts, and a finish(seq id, output) hook), at
+    the config's defaults (suffix decoding's factor overridden where given)."""
     c = SpeculativeConfig()
+    factor = c.suffix_decoding_max_spec_factor if max_spec_factor is None else max_spec_factor
 
     def ngram():
         return (lambda _, tokens, n: propose_ngram(np.asarray(tokens), n, c.prompt_lookup_min,
@@ -39,7 +41,7 @@ def proposers(k: int):
 
     def suffix():
         s = SuffixProposer(SuffixOptions(c.suffix_decoding_max_tree_depth, c.suffix_decoding_max_cached_requests,
-                                         c.suffix_decoding_min_token_prob, c.suffix_decoding_max_spec_factor))
+                                         c.suffix_decoding_min_token_prob, factor))
         return s.propose, s.finish
 
     return {"ngram": ngram, "suffix": suffix}
@@ -89,6 +91,7 @@ def main(argv=None) -> dict:
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=5)
+    p.add_argument("--max-spec-factor", type=float, help="suffix decoding's (default: the config's)")
     p.add_argument("--show", type=int, default=0, help="greedy outputs to print per workload")
     args = p.parse_args(argv)
     loaded = models.load_model(args.model)
@@ -103,7 +106,7 @@ def main(argv=None) -> dict:
             print(f"--- {kind}: overlap {share:.0%}\n{loaded.tokenizer.decode(prompt)[-300:]!r}\n>>> "
                   f"{loaded.tokenizer.decode(out)!r}")
         row = results[kind] = {"tokens": sum(map(len, outputs)), "overlap": float(np.mean(shares))}
-        for name, make in proposers(args.k).items():
+        for name, make in proposers(args.max_spec_factor).items():
             row[name] = dict(zip(("steps", "draft_tokens", "accepted"), replay(make, requests, outputs, args.k)))
         print(f"{kind:8s} {row['tokens']:5d} tokens, overlap {row['overlap']:.0%}  " + "  ".join(
             f"{n} {r['steps']} steps ({r['accepted']}/{r['draft_tokens']} accepted)"
