@@ -3,7 +3,7 @@ and way of serving (in the process, and through the OpenAI server).
 
     python scripts/bench_spec.py [--rounds 3] [--methods ngram,suffix] [--concurrency 1,4,16]
                                  [--workloads edit,rewrite,quote,w1] [--modes offline,server]
-                                 [--requests 2] [--max-tokens 64] [--json out/spec.json]
+                                 [--requests 2] [--max-tokens 64] [--control] [--json out/spec.json]
 
 Workloads (spec_workloads.py): (a) outputs that repeat their inputs, from what Python ships: `edit`
 (a stdlib function returned whole with one name changed), `rewrite` (a stdlib docstring copied with
@@ -13,7 +13,9 @@ concurrency c) has max(c, --requests) requests, each at most --max-tokens long, 
 kept c at a time (closed loop).
 
 Systems: no speculation, then one per --methods (k = --k, prompt lookup 2 to 5, disable_by_batch_size
-at the config's default unless --disable-by-batch-size; 0 never turns it off). Offline, each is an
+at the config's default unless --disable-by-batch-size; 0 never turns it off); --control adds a second
+engine without speculation, run last in every cell, whose ratio to none is what order and noise alone
+give a system. Offline, each is an
 engine over one loaded model, which first runs every cell once untimed (that compiles the shapes they
 meet); prefix cache and suffix decoding's cache of finished outputs are emptied before each run (a
 run learns from the requests finished earlier in it, never from an earlier run's). Through the
@@ -68,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--disable-by-batch-size", type=int,
                    help="speculation off from this many running sequences (0: never; default: the config's)")
+    p.add_argument("--control", action="store_true",
+                   help="also a second engine without speculation, run last: the ratio a system reads for nothing")
     p.add_argument("--vllm-python", help="also vLLM's CPU build from this virtualenv, with and without n-gram")
     p.add_argument("--json")
     return p.parse_args(argv)
@@ -81,6 +85,8 @@ def spec_configs(args) -> dict[str, dict | None]:
         if args.disable_by_batch_size is not None:
             config["disable_by_batch_size"] = args.disable_by_batch_size or None
         systems[method] = config
+    if args.control:  # run after the others in every cell, so its ratio to none shows order and noise alone
+        systems["none-again"] = None
     return systems
 
 
