@@ -30,13 +30,13 @@ from paged_jax.spec_decode.suffix import SuffixOptions, SuffixProposer
 
 
 def proposers(max_spec_factor: float | None = None):
-    """Name -> (a fresh proposer: (seq id, tokens, k) -> drafts, and a finish(seq id, output) hook), at
+    """Name -> (a fresh proposer: (tokens, k) -> drafts, and a finish(output) hook), at
     the config's defaults (suffix decoding's factor overridden where given)."""
     c = SpeculativeConfig()
     factor = c.suffix_decoding_max_spec_factor if max_spec_factor is None else max_spec_factor
 
     def ngram():
-        return (lambda _, tokens, n: propose_ngram(np.asarray(tokens), n, c.prompt_lookup_min,
+        return (lambda tokens, n: propose_ngram(np.asarray(tokens), n, c.prompt_lookup_min,
                                                      c.prompt_lookup_max).tolist()), (lambda *_: None)
 
     def suffix():
@@ -51,16 +51,16 @@ def replay(make, requests, outputs, k: int) -> tuple[int, int, int]:
     """(decode steps, draft tokens, accepted tokens) of one proposer over the requests in order."""
     propose, finish = make()
     steps = drafted = accepted = 0
-    for seq_id, ((prompt, max_tokens), out) in enumerate(zip(requests, outputs)):
+    for (prompt, max_tokens), out in zip(requests, outputs):
         i = 1  # the first output token comes from the prefill
         while i < len(out):
-            drafts = propose(seq_id, list(prompt) + out[:i], min(k, max_tokens - i - 1)) if max_tokens - i - 1 > 0 else []
+            drafts = propose(list(prompt) + out[:i], min(k, max_tokens - i - 1)) if max_tokens - i - 1 > 0 else []
             a = 0
             while a < len(drafts) and i + a < len(out) and drafts[a] == out[i + a]:
                 a += 1
             steps, drafted, accepted = steps + 1, drafted + len(drafts), accepted + a
             i += a + 1
-        finish(seq_id, out)
+        finish(out)
     return steps, drafted, accepted
 
 

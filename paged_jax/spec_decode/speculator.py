@@ -84,7 +84,7 @@ class Speculator:
         if k <= 0 or seq.num_output_tokens < acceptance.resume_at:
             return []
         if self.suffix is not None:
-            return self.suffix.propose(seq.seq_id, seq.token_ids, k)
+            return self.suffix.propose(seq.token_ids, k)
         c = self.config
         return propose_ngram(np.asarray(seq.token_ids), k, c.prompt_lookup_min, c.prompt_lookup_max).tolist()
 
@@ -93,7 +93,7 @@ class Speculator:
             if seq.status is not Status.RUNNING:
                 del self._seen[seq_id]
                 if self.suffix is not None:
-                    self.suffix.finish(seq_id, seq.output_token_ids if seq.status is Status.FINISHED else [])
+                    self.suffix.finish(seq.output_token_ids if seq.status is Status.FINISHED else [])
                 seq.draft_ids = []
 
     def fit(self, scheduled: list[ScheduledSeq], others: list[Sequence]) -> tuple[list[ScheduledSeq], bool]:

@@ -78,11 +78,10 @@ class SuffixTrie:
                 return node, m
         return None, 0
 
-    def draft(self, context: list[int], k: int, min_token_prob: float, max_spec_factor: float,
-              start: tuple[_Node | None, int] | None = None) -> tuple[list[int], float]:
-        """Up to k drafts continuing context, and their score (the sum of their estimated chances);
-        start: match(context, depth - 1) where the caller knows it."""
-        node, m = start or self.match(context, self.depth - 1)
+    def draft(self, context: list[int], k: int, min_token_prob: float,
+              max_spec_factor: float) -> tuple[list[int], float]:
+        """Up to k drafts continuing context, and their score (the sum of their estimated chances)."""
+        node, m = self.match(context, self.depth - 1)
         limit = min(k, int(np.ceil(max_spec_factor * m)))
         out, prob, score = [], 1.0, 0.0
         while node is not None and len(out) < limit:
@@ -166,15 +165,14 @@ class SuffixProposer:
         self.shared = SuffixTrie(options.depth)
         self._cached: collections.deque[np.ndarray] = collections.deque()
 
-    def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
-        """tokens: the sequence's prompt then output -> up to k drafts (seq_id: unused, kept for the
-        proposers' common call)."""
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """tokens: the sequence's prompt then output -> up to k drafts."""
         o = self.options
         own = own_draft(np.asarray(tokens), k, o.depth - 1, o.min_token_prob, o.max_spec_factor)
         shared = self.shared.draft(tokens[-(o.depth - 1):], k, o.min_token_prob, o.max_spec_factor)
         return max(own, shared, key=lambda d: d[1])[0]
 
-    def finish(self, seq_id: int, output: list[int]) -> None:
+    def finish(self, output: list[int]) -> None:
         """A sequence ended: its output joins the shared trie, the oldest cached one leaving if full."""
         if not output or self.options.max_cached_requests <= 0:
             return

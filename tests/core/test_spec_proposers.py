@@ -80,36 +80,36 @@ def test_suffix_drafts_the_frequent_continuation_and_as_far_as_the_match_allows(
     proposer = SuffixProposer(SuffixOptions(depth=8, min_token_prob=0.1, max_spec_factor=1.0))
     text = [1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3]
     # The match "1 2 3" (3 tokens) allows 3 drafts, of what followed it: 4 5 6.
-    assert proposer.propose(0, text, k=8) == [4, 5, 6]
+    assert proposer.propose(text, k=8) == [4, 5, 6]
     # Repeated whole, a longer match ("6 7 8 9 1 2 3") drafts as far as k.
-    assert proposer.propose(2, [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3], k=5) == [4, 5, 6, 7, 8]
+    assert proposer.propose([1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3], k=5) == [4, 5, 6, 7, 8]
     # A one-token match drafts one token.
-    assert proposer.propose(1, [7, 1, 9, 1], k=5) == [9]
+    assert proposer.propose([7, 1, 9, 1], k=5) == [9]
 
 
 def test_suffix_shares_finished_outputs_and_stays_bounded():
     proposer = SuffixProposer(SuffixOptions(depth=6, max_cached_requests=2))
     output = [10, 11, 12, 13, 14, 15, 16]
-    proposer.finish(0, output)
+    proposer.finish(output)
     # Another request whose own tokens never had the phrase finds it among finished outputs.
-    assert proposer.propose(1, [3, 3, 10, 11, 12], k=3) == [13, 14, 15]
-    for seq_id in range(2, 40):
-        proposer.finish(seq_id, [seq_id, seq_id + 1, seq_id + 2])
+    assert proposer.propose([3, 3, 10, 11, 12], k=3) == [13, 14, 15]
+    for t in range(2, 40):
+        proposer.finish([t, t + 1, t + 2])
     assert trie_counts(proposer.shared) == substring_counts([[38, 39, 40], [39, 40, 41]], 6)
-    assert proposer.propose(50, [3, 3, 10, 11, 12], k=3) == []  # the first output has left
+    assert proposer.propose([3, 3, 10, 11, 12], k=3) == []  # the first output has left
 
 
 def test_suffix_stops_where_the_continuation_is_uncertain():
     proposer = SuffixProposer(SuffixOptions(depth=8, min_token_prob=0.3))
     # After "1 2" came 3, 4, 5 and 6 once each: no continuation reaches a chance of 0.3.
-    assert proposer.propose(0, [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2], k=4) == []
+    assert proposer.propose([1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2], k=4) == []
 
 
 def test_suffix_chances_ignore_occurrences_that_end_the_text():
     # "1 2 3" occurs twice, but the second is the context itself, which says nothing of what follows:
     # the one continuation seen has a chance of 1, not 1/2, and passes a threshold of 0.6.
     proposer = SuffixProposer(SuffixOptions(depth=8, min_token_prob=0.6))
-    assert proposer.propose(0, [1, 2, 3, 4, 5, 0, 1, 2, 3], k=3) == [4, 5, 0]
+    assert proposer.propose([1, 2, 3, 4, 5, 0, 1, 2, 3], k=3) == [4, 5, 0]
 
 
 @pytest.mark.parametrize("vocab", [2, 5])
