@@ -38,7 +38,7 @@ def linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool,
     C++ kernel, which computes only the leading `rows` rows (int32 scalar: the step's real tokens;
     None: all) and gives zeros for the padding after them. panels: the same weight in oneDNN's layout
     (cpu_kernel.pack_panels), which a step of at least onednn_rows tokens multiplies by instead. add: a
-    packed LoRA delta to add (lora_packed.Addend), by the C++ LoRA kernel where the float32 one multiplies."""
+    packed LoRA delta to add after the matmul (lora_packed.Addend)."""
     n = math.prod(out_shape)
     if not packed:
         out = jnp.tensordot(x, w, axes=1)
@@ -48,13 +48,8 @@ def linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool,
     else:
         matmul = cpu_kernel.linear_int8_cpu if w.dtype == jnp.int8 else cpu_kernel.linear_cpu
     with jax.named_scope("matmul"):  # the profile's name for it (paged_jax/research/step_profile.py)
-        if add is None:
-            out = matmul(x, w, n, rows)
-        elif matmul is cpu_kernel.linear_cpu and add.groups is not None:
-            out = cpu_kernel.lora_expand_cpu(matmul(x, w, n, rows), add.h, add.b, add.groups, add.slot, rows)
-        else:
-            out = add.added_to(matmul(x, w, n, rows))
-        return out.reshape(x.shape[0], *out_shape)
+        out = matmul(x, w, n, rows)
+        return (out if add is None else add.added_to(out)).reshape(x.shape[0], *out_shape)
 
 
 def pack(param: nnx.Param, weight: jax.Array, packer=cpu_kernel.pack_columns) -> None:

@@ -2,12 +2,10 @@
 
 A decode step's deltas were hundreds of small XLA dots, each repacking its weight on every call (1.41x
 the base step on the Xeon 6/207, scripts/bench_lora.py). Packed like the base weights, a fused
-projection's delta is two C++ calls (kernels_pallas/cpu/lora.cc) around the unchanged base matmul: each
-row's x @ A of its own slot (lora_shrink_cpu, which picks the slot: no mask in XLA), then, added to the
-base output in place, each row's rank activations times its own slot's B rows of each output panel
-(lora_expand_cpu). B is laid out in the fused projection's output order (layers.py: q/k/v interleaved
-per KV head, gate then up), each panel of PANEL columns within one part, so nothing block-diagonal is
-multiplied. Steps of
+projection's delta is one C++ call (kernels_pallas/cpu/lora.cc, lora_cpu) after the unchanged base
+matmul, adding in place each row's x @ A @ B of its own slot (the kernel picks the slot: no mask in XLA).
+B is laid out in the fused projection's output order (layers.py: q/k/v interleaved per KV head, gate
+then up), each panel of PANEL columns within one part, so nothing block-diagonal is multiplied. Steps of
 PACKED_MAX_ROWS rows and more (prefill) take XLA's dots over an unpacked copy instead, faster there, B's
 product in one dot whose output is in the fused order.
 """
@@ -105,8 +103,8 @@ class PackedProjection:
         [num_tokens], the same s - 1 (-1: the base model); rows: int32 scalar, the leading rows that are real
         tokens, or None: all.
 
-        Fewer than PACKED_MAX_ROWS rows: by panels, each row's own slot's rank activations by the C++ kernel
-        (lora_shrink_cpu picks the slot: no mask in XLA, no other slot's A multiplied). Else dense, XLA's
+        Fewer than PACKED_MAX_ROWS rows: by panels, the C++ kernel after the base matmul (lora_cpu picks each
+        row's slot: no mask in XLA, no other slot's A or B multiplied). Else dense, XLA's
         dots over an unpacked copy: h [num_tokens, parts * max_loras * max_rank] (part-major) and B with
         each part's rows zero outside its own columns, so that one dot gives the delta in the fused
         projection's column order, with no per-part outputs to put together (a 512-row prefill's deltas
@@ -114,8 +112,7 @@ class PackedProjection:
         n, panels, k, _ = self.a.shape
         parts, r = len(self.out), self.rank
         if x.shape[0] < PACKED_MAX_ROWS:
-            h = cpu_kernel.lora_shrink_cpu(x, self.a, index, parts, r, rows)  # [num_tokens, parts, max_loras * r]
-            return Addend(h, self.b, np.asarray(self.parts, np.int32), index)
+            return Addend(x, self.b, np.asarray(self.parts, np.int32), self.a, index, rows)
         a = self.a.transpose(2, 0, 1, 3).reshape(k, n * panels * PANEL)
         h = jnp.dot(x, a).reshape(-1, n, panels * PANEL)[:, :, : parts * r].reshape(-1, n, parts, r)
         h = (h * onehot[:, :, None, None]).transpose(0, 2, 1, 3)  # [num_tokens, parts, max_loras, max_rank]
@@ -126,25 +123,24 @@ class PackedProjection:
 
 @dataclasses.dataclass(frozen=True)
 class Addend:
-    """A packed LoRA delta that layers.linear adds to a base matmul's output [num_tokens, out].
+    """A packed LoRA delta that layers.linear adds to a base matmul's output [num_tokens, out] float32.
 
-    groups given (few rows): h float32 [num_tokens, G, max_loras * max_rank] (lora_shrink_cpu's: each row's
-        own slot's rank activations, zeros elsewhere), b [ceil(out / PANEL), max_loras, max_rank, PANEL],
-        groups int32 [ceil(out / PANEL)], slot int32 [num_tokens] (each row's, 0-based; -1: none): panel p's
-        columns get h[t, groups[p], slot's ranks] @ b[p, slot], by lora_expand_cpu after the base matmul.
-    groups None: h [num_tokens, depth] @ b [depth, out], by XLA after the base matmul.
+    groups given (few rows): h is x float32 [num_tokens, in], a [max_loras, panels, in, PANEL] and b
+        [ceil(out / PANEL), max_loras, max_rank, PANEL] PackedProjection's, groups int32 [ceil(out / PANEL)]
+        each panel's part, slot int32 [num_tokens] (each row's, 0-based; -1: none), rows the leading real
+        rows (int32 scalar or None): by lora_cpu, in place.
+    groups None: h [num_tokens, depth] @ b [depth, out], by XLA.
     """
 
     h: jax.Array
     b: jax.Array
     groups: np.ndarray | None = None
+    a: jax.Array | None = None
     slot: jax.Array | None = None
+    rows: jax.Array | int | None = None
 
     def added_to(self, out: jax.Array) -> jax.Array:
-        """out [num_tokens, out] plus this delta, by XLA (groups given: a base matmul that is not linear.cc's,
-        int8 weights or oneDNN, or XLA's own)."""
+        """out [num_tokens, out] plus this delta (out's buffer reused where the kernel adds it)."""
         if self.groups is None:
             return out + jnp.dot(self.h, self.b)
-        b = self.b.reshape(len(self.groups), -1, PANEL)  # the other slots' rows meet h's zeros
-        per_panel = jnp.einsum("tpd,pdc->tpc", self.h[:, self.groups], b)
-        return out + per_panel.reshape(out.shape[0], -1)[:, : out.shape[1]]
+        return cpu_kernel.lora_cpu(out, self.h, self.a, self.b, self.groups, self.slot, self.rows)

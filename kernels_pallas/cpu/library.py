@@ -30,8 +30,7 @@ _ONEDNN_SOURCES = (_HERE / "onednn_linear.cc",)
 # The FFI targets the libraries register, which the wrappers (attention.py, linear.py) call.
 ATTENTION = "paged_jax_paged_attention_cpu"
 LINEAR = "paged_jax_linear_cpu_f32"
-LORA_SHRINK = "paged_jax_lora_shrink_cpu_f32"
-LORA_EXPAND = "paged_jax_lora_expand_cpu_f32"
+LORA = "paged_jax_lora_cpu_f32"
 LINEAR_INT8 = "paged_jax_linear_cpu_int8"
 LINEAR_ONEDNN = "paged_jax_linear_onednn_f32"
 WRITE_KV = "paged_jax_write_kv_cpu_bf16"
@@ -105,8 +104,7 @@ def build_error() -> str | None:
         return str(e)
     jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(library.PagedAttentionCpu), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR, jax.ffi.pycapsule(library.LinearCpuF32), platform="cpu")
-    jax.ffi.register_ffi_target(LORA_SHRINK, jax.ffi.pycapsule(library.LoraShrinkCpuF32), platform="cpu")
-    jax.ffi.register_ffi_target(LORA_EXPAND, jax.ffi.pycapsule(library.LoraExpandCpuF32), platform="cpu")
+    jax.ffi.register_ffi_target(LORA, jax.ffi.pycapsule(library.LoraCpuF32), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR_INT8, jax.ffi.pycapsule(library.LinearCpuInt8), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_KV, jax.ffi.pycapsule(library.WriteKvCpuBf16), platform="cpu")
     jax.ffi.register_ffi_target(UNWRITTEN, jax.ffi.pycapsule(library.UnwrittenBuffer), platform="cpu")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cpu.library import (LINEAR, LINEAR_INT8, LINEAR_ONEDNN, LORA_EXPAND, LORA_SHRINK, available,
+from kernels_pallas.cpu.library import (LINEAR, LINEAR_INT8, LINEAR_ONEDNN, LORA, available,
                                         onednn_available, onednn_error)
 from kernels_pallas.cpu.packing import pack_columns, pack_panels
 
@@ -34,36 +34,22 @@ def linear_cpu(x: jax.Array, packed: jax.Array, n: int, rows=None) -> jax.Array:
     return call(x, packed, _rows_operand(x, rows))
 
 
-def lora_shrink_cpu(x: jax.Array, a: jax.Array, slot: jax.Array, parts: int, rank: int, rows=None) -> jax.Array:
-    """Each row's own LoRA slot's rank activations (lora.cc), zeros elsewhere: for row t with s = slot[t] >= 0,
-    h[t, g, s * rank:(s + 1) * rank] = (x[t] @ A_s)[g * rank:(g + 1) * rank]; lora_expand_cpu's h.
+def lora_cpu(out: jax.Array, x: jax.Array, a: jax.Array, b: jax.Array, group, slot: jax.Array,
+             rows=None) -> jax.Array:
+    """out plus each row's own LoRA slot's delta (lora.cc; out a base matmul's, its buffer reused): row t with
+    s = slot[t] >= 0 gets, in column panel p, (x[t] @ A_s)[group[p] * r:(group[p] + 1) * r] @ b[p, s].
 
-    x: f32 [M, K]; a: f32 [S, Pa, K, PANEL], slot s's A [K, parts * rank] (part-major) as pack_columns
-    gives it; slot: int32 [M] in [-1, S) (-1: none); rows: as linear_cpu's. Returns f32 [M, parts, S * rank].
-    For few rows: each slot's rows gathered and multiplied by its A alone (a slot no row names is not read).
+    out: f32 [M, n]; x: f32 [M, K]; a: f32 [S, Pa, K, PANEL], slot s's A [K, parts * r] (part-major) as
+    pack_columns gives it; b: f32 [ceil(n / PANEL), S, r, PANEL]; group: int32 [ceil(n / PANEL)], each
+    panel's part; slot: int32 [M] in [-1, S) (-1: none); rows: as linear_cpu's (rows after them are left
+    as they are). Each slot's A and B multiply its own rows alone; a slot no row names is not read.
     """
     if not available():
         raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
-    if x.dtype != np.float32 or a.dtype != np.float32:
-        raise ValueError(f"the CPU LoRA kernel takes float32, got {x.dtype} and {a.dtype}")
-    call = jax.ffi.ffi_call(LORA_SHRINK, jax.ShapeDtypeStruct((x.shape[0], parts, a.shape[0] * rank), x.dtype))
-    return call(x, a, jnp.asarray(slot, jnp.int32), _rows_operand(x, rows))
-
-
-def lora_expand_cpu(out: jax.Array, h: jax.Array, b: jax.Array, group, slot: jax.Array, rows=None) -> jax.Array:
-    """out plus each row's own LoRA slot's B product (lora.cc; out a base matmul's, h lora_shrink_cpu's): row t
-    with s = slot[t] >= 0 gets, in column panel p, h[t, group[p], s * r:(s + 1) * r] @ b[p, s].
-
-    out: f32 [M, n] (its buffer is reused); h: f32 [M, G, S * r]; b: f32 [ceil(n / PANEL), S, r, PANEL];
-    group: int32 [ceil(n / PANEL)] in [0, G); slot: int32 [M] in [-1, S); rows: as linear_cpu's (rows after
-    them are left as they are). Each slot's B is multiplied by its own rows alone.
-    """
-    if not available():
-        raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
-    if out.dtype != np.float32 or h.dtype != np.float32 or b.dtype != np.float32:
-        raise ValueError(f"the CPU LoRA kernel takes float32, got {out.dtype}, {h.dtype}, {b.dtype}")
-    call = jax.ffi.ffi_call(LORA_EXPAND, jax.ShapeDtypeStruct(out.shape, out.dtype), input_output_aliases={0: 0})
-    return call(out, h, b, jnp.asarray(group, jnp.int32), jnp.asarray(slot, jnp.int32), _rows_operand(out, rows))
+    if any(v.dtype != np.float32 for v in (out, x, a, b)):
+        raise ValueError(f"the CPU LoRA kernel takes float32, got {out.dtype}, {x.dtype}, {a.dtype}, {b.dtype}")
+    call = jax.ffi.ffi_call(LORA, jax.ShapeDtypeStruct(out.shape, out.dtype), input_output_aliases={0: 0})
+    return call(out, x, a, b, jnp.asarray(group, jnp.int32), jnp.asarray(slot, jnp.int32), _rows_operand(out, rows))
 
 
 def linear_onednn_cpu(x: jax.Array, panels: jax.Array, n: int, rows=None) -> jax.Array:

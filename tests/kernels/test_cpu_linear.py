@@ -141,53 +141,39 @@ def test_rows_computes_the_leading_rows_and_zeros_the_padding(linear, pack, comp
     assert not got[computed:].any()
 
 
-@pytest.mark.parametrize("rows", (1, 5, 16, 30, 63))
-def test_lora_shrink_matches_float64_per_row_slot(rows):
-    """lora_shrink_cpu: row t with slot s >= 0 gets (x[t] @ A_s) split by part into h[t, g, s * r:(s + 1) * r],
-    every other entry zero (slot -1, other slots, the padding rows after `rows - 1`); slots of many rows
-    take several row tiles, a slot no row names is never read."""
-    shrink = jax.jit(cpu_kernel.lora_shrink_cpu, static_argnames=("parts", "rank"))
-    for i, (k, slots, parts, rank) in enumerate([(576, 4, 3, 16), (1536, 4, 1, 16), (64, 3, 2, 8), (17, 2, 3, 4)]):
-        x, a = _random((rows, k), i), _random((slots, k, parts * rank), 10 + i)
-        packed = jnp.stack([cpu_kernel.pack_columns(jnp.asarray(a[s])) for s in range(slots)])
-        slot = np.random.default_rng(i).integers(-1, slots - (i == 2), rows).astype(np.int32)  # case 2: a slot unused
-        computed = max(rows - 1, 1)
-        got = np.asarray(shrink(jnp.asarray(x), packed, jnp.asarray(slot), parts=parts, rank=rank, rows=computed))
-        assert got.shape == (rows, parts, slots * rank)
-        want, scale = np.zeros(got.shape), np.zeros(got.shape)
-        for t in range(computed):
-            if slot[t] >= 0:
-                columns = np.s_[t, :, slot[t] * rank:(slot[t] + 1) * rank]
-                want[columns] = (x[t].astype(np.float64) @ a[slot[t]]).reshape(parts, rank)
-                scale[columns] = (np.abs(x[t]).astype(np.float64) @ np.abs(a[slot[t]])).reshape(parts, rank)
-        assert np.all(np.abs(got - want) <= 1e-6 * k * scale)  # zeros exactly where want is zero
-
-
-def test_lora_shrink_refuses_a_slot_out_of_range():
-    packed = jnp.stack([cpu_kernel.pack_columns(jnp.ones((8, 4), jnp.float32))] * 2)
-    with pytest.raises(Exception, match="slot out of range"):
-        jax.block_until_ready(cpu_kernel.lora_shrink_cpu(jnp.ones((3, 8), jnp.float32), packed,
-                                                         jnp.asarray([0, 2, -1], jnp.int32), 1, 4))
-
-
-@pytest.mark.parametrize("rows", (1, 5, 16, 30, 63))
-def test_lora_expand_adds_each_rows_own_slots_product(rows):
-    """lora_expand_cpu: out plus, for row t with slot s >= 0, in panel p's columns h[t, group[p], s's ranks] @
-    b[p, s]; rows of slot -1 and the padding rows after `rows - 1` keep out as it was. h's other slots'
-    entries are not zero here, so a kernel that read them would be caught."""
-    expand = jax.jit(cpu_kernel.lora_expand_cpu)
-    for i, (n, slots, groups, rank) in enumerate([(960, 4, 3, 16), (576, 4, 1, 16), (40, 3, 2, 8), (15, 2, 3, 4)]):
+@pytest.mark.parametrize("rows", (1, 5, 16, 30, 63, 130))
+def test_lora_adds_each_rows_own_slots_delta(rows):
+    """lora_cpu: out plus, for row t with slot s >= 0, in panel p's columns (x[t] @ A_s)[part p's ranks] @
+    b[p, s]; rows of slot -1 and the padding rows after `rows - 1` keep out as it was. Slots of many rows
+    take several row tiles and chunks (130), a slot no row names is never read (case 2); the other slots'
+    B rows are not zero, so a kernel that multiplied a row by another slot's weights would be caught."""
+    add = jax.jit(cpu_kernel.lora_cpu)
+    for i, (k, n, slots, parts, rank) in enumerate([(576, 960, 4, 3, 16), (1536, 576, 4, 1, 16), (64, 40, 3, 2, 8),
+                                                   (17, 15, 2, 3, 4)]):
         panels = -(-n // cpu_kernel.PANEL)
-        out, h = _random((rows, n), i), _random((rows, groups, slots * rank), 10 + i)
-        b = _random((panels, slots, rank, cpu_kernel.PANEL), 20 + i)
+        out, x, a = _random((rows, n), i), _random((rows, k), 10 + i), _random((slots, k, parts * rank), 20 + i)
+        packed_a = jnp.stack([cpu_kernel.pack_columns(jnp.asarray(a[s])) for s in range(slots)])
+        b = _random((panels, slots, rank, cpu_kernel.PANEL), 30 + i)
         rng = np.random.default_rng(i)
-        group, slot = rng.integers(0, groups, panels).astype(np.int32), rng.integers(-1, slots, rows).astype(np.int32)
+        group = rng.integers(0, parts, panels).astype(np.int32)
+        slot = rng.integers(-1, slots - (i == 2), rows).astype(np.int32)  # case 2: a slot unused
         computed = max(rows - 1, 1)
-        got = np.asarray(expand(jnp.asarray(out), jnp.asarray(h), jnp.asarray(b), group, jnp.asarray(slot), computed))
+        got = np.asarray(add(jnp.asarray(out), jnp.asarray(x), packed_a, jnp.asarray(b), group, jnp.asarray(slot),
+                             computed))
         want, scale = out.astype(np.float64), np.abs(out).astype(np.float64)
         for t in range(computed):
             if slot[t] >= 0:
-                own = h[t, group, slot[t] * rank:(slot[t] + 1) * rank].astype(np.float64)  # [panels, rank]
-                want[t] += np.einsum("pr,prc->pc", own, b[:, slot[t]]).reshape(-1)[:n]
-                scale[t] += np.einsum("pr,prc->pc", np.abs(own), np.abs(b[:, slot[t]])).reshape(-1)[:n]
-        assert np.all(np.abs(got - want) <= 1e-6 * (rank + 1) * scale)
+                h = (x[t].astype(np.float64) @ a[slot[t]]).reshape(parts, rank)[group]  # [panels, rank]
+                h_scale = (np.abs(x[t]).astype(np.float64) @ np.abs(a[slot[t]])).reshape(parts, rank)[group]
+                want[t] += np.einsum("pr,prc->pc", h, b[:, slot[t]]).reshape(-1)[:n]
+                scale[t] += np.einsum("pr,prc->pc", h_scale, np.abs(b[:, slot[t]])).reshape(-1)[:n]
+        assert np.all(np.abs(got - want) <= 1e-6 * (k + rank + 1) * scale)
+        assert np.array_equal(got[computed:], out[computed:])
+
+
+def test_lora_refuses_a_slot_out_of_range():
+    packed = jnp.stack([cpu_kernel.pack_columns(jnp.ones((8, 4), jnp.float32))] * 2)
+    with pytest.raises(Exception, match="slot out of range"):
+        jax.block_until_ready(cpu_kernel.lora_cpu(jnp.ones((3, 16), jnp.float32), jnp.ones((3, 8), jnp.float32),
+                                                  packed, jnp.ones((1, 2, 4, cpu_kernel.PANEL), jnp.float32),
+                                                  np.zeros(1, np.int32), jnp.asarray([0, 2, -1], jnp.int32)))
