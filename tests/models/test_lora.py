@@ -158,8 +158,8 @@ def test_adapter_for_another_base_is_refused(tiny_checkpoint, tmp_path):
                          ids=("xla_matmul", "packed", "packed_slots_over_xla_matmul"))
 def test_one_adapter_over_its_slot_alone_matches_peft(base, packed, packed_slots):
     """A step whose rows use one adapter (and the base model) gathers that slot alone (LoRARows of one slot).
-    Packed slots over a model that is not: B's product is XLA's, after the base matmul (lora_packed.add_product,
-    as with int8 weights or oneDNN)."""
+    Packed slots over a model that is not: the C++ kernel (cpu_kernel.lora_cpu) adds the delta to XLA's base
+    matmul, as to int8 weights' or oneDNN's."""
     model, config, hf_model, adapters = base
     model = model.pack_for_cpu() if packed else model
     graphdef, state = nnx.split(model)
