@@ -148,6 +148,7 @@ class StandIn:
             return decode_steps(*args, **keywords)
 
         dispatch_decode_steps._cache_size = lambda: 0  # counted with step's (_cache_size)
+        dispatch_decode_steps.lower = decode_steps.lower  # warm-up compiles ahead (parallel_compile)
         self._call, self.sample_step, self._decode_steps = call, sample_step, decode_steps
         self.decode_steps = dispatch_decode_steps
 
@@ -157,6 +158,10 @@ class StandIn:
     def __call__(self, *args, layout=None, **_):
         self.dispatched.append(time.monotonic())
         return self._call(*args, layout=layout)
+
+    def lower(self, *args, layout=None, **_):
+        """As step_programs.step.lower: warm-up compiles the model call's programs ahead."""
+        return self._call.lower(*args, layout=layout)
 
     @property
     def spans(self) -> list[tuple[float, float]]:
