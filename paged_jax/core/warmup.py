@@ -5,7 +5,8 @@ buckets.py lists the shapes (a few dozen, from the engine's limits); the runner 
 padding that writes no KV (model_runner.ModelRunner.warm_up), and the block manager makes its pool
 calls' programs. Each program is compiled, or loaded from the persistent compilation cache when an
 earlier run made it: a cold start compiles, a warm one loads. The model call's and the sampler's
-programs are compiled side by side first, one per core (parallel_compile.py).
+programs are compiled side by side first, one per core (parallel_compile.py). Last, the process's
+heap is frozen out of the garbage collector's walks (startup_heap.py).
 
 A server warms up before it reports ready (serving/async_engine.py). The offline `LLM` does not: a
 batch job compiles the shapes it meets as it meets them, which is never more than warming up all of
@@ -16,7 +17,7 @@ import dataclasses
 import logging
 import time
 
-from paged_jax.core import compiles
+from paged_jax.core import compiles, startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def warm_up(engine) -> WarmUp:
     start, before, buckets = time.perf_counter(), compiles.count(), engine.resolved.buckets
     engine.runner.warm_up()
     engine.blocks.warm_up()
+    startup_heap.freeze()
     done = WarmUp(len(buckets.shapes()), 4 * len(buckets.all_sample_rows()), compiles.count() - before,
                   time.perf_counter() - start)
     logger.info("warm-up: %d step shapes and %d sampler shapes; %d programs compiled or loaded from the "
