@@ -1,11 +1,12 @@
 """The objects a process holds once an engine is warmed up, kept out of Python's cyclic garbage collector.
 
-Building an engine and warming it up leave a few hundred thousand long-lived objects the collector tracks (jax's, flax's
-and the tokenizer's modules, the model's graph, programs' wrappers). A step then allocates freely
-(outputs, block names, the detokenizer's pieces), so the collector runs every few hundred allocations,
-and every so often a full collection walks all of those objects again, on the host's critical path:
-at 256 decoding sequences it was about a third of the host's time in a dispatch (bench_overlap.py's
-stand-in, timed by gc.callbacks). vLLM freezes its engine's startup heap the same way (gc.freeze).
+Building an engine and warming it up leave a few hundred thousand long-lived objects the collector
+tracks (jax's, flax's and the tokenizer's modules, the model's graph, programs' wrappers). A step then
+allocates freely (outputs, block names, the detokenizer's pieces), so the collector runs every few
+hundred allocations, and every so often a full collection walks all of those objects again, on the
+host's critical path: at 256 decoding sequences, 16 steps a dispatch, 5 to 7 ms of a dispatch's 25
+(bench_overlap.py's stand-in on a loaded 2-core Xeon, timed by gc.callbacks). vLLM freezes its
+engine's startup heap the same way (gc.freeze).
 
 `freeze` moves every object alive into the collector's permanent generation, which it never walks.
 It first unfreezes and collects, so what an earlier freeze kept (an engine warmed up before this one
