@@ -15,7 +15,9 @@ model call is replaced by one that holds the "device" for D milliseconds without
   timed span over the tokens each sequence took in it (a multi-step dispatch makes several);
 - host path: from one model call's end to the next one's dispatch, when positive: the time the
   device waits for the host (0 when the next step was dispatched before this one ended);
-- idle: the device's idle share of the wall time (1 - busy / wall).
+- idle: the device's idle share of the wall time (1 - busy / wall);
+- gc: the time Python's cyclic garbage collector ran (gc.callbacks), and its full collections: one
+  is a pause every few dozen dispatches, which a window of steps catches or not (startup_heap.py).
 
 The sampler is stood in for too (its host inputs are still built, packed and sent, and unpacked on
 the device), by a token read off the hidden state: the real lm_head and sampler over 256 rows of
@@ -28,6 +30,7 @@ import argparse
 import ctypes
 import dataclasses
 import functools
+import gc
 import itertools
 import pathlib
 import subprocess
@@ -182,7 +185,28 @@ def make_engine(num_seqs: int, async_scheduling: bool | None, num_scheduler_step
     return LLMEngine(random_model(MODEL), MODEL, load_tokenizer("smollm2-135m"), EngineConfig(**options))
 
 
-def decode(engine: LLMEngine, num_seqs: int, steps: int) -> tuple[list[float], float]:
+class CollectorClock:
+    """The garbage collector's time and full collections while it is entered (gc.callbacks)."""
+
+    def __init__(self):
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info["generation"] == 2
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_):
+        gc.callbacks.remove(self._callback)
+
+
+def decode(engine: LLMEngine, num_seqs: int, steps: int) -> tuple[list[float], float, CollectorClock]:
     """Admit num_seqs requests, run until all are decoding, then time `steps` engine steps: each step's
     end, and the tokens a sequence took in them (decode steps: more than `steps` with multi-step decode)."""
     # Streamed as the server streams them (DELTA): each step's new tokens and text.
@@ -197,15 +221,16 @@ def decode(engine: LLMEngine, num_seqs: int, steps: int) -> tuple[list[float], f
         engine.step()
     read = lambda: sum(len(s.token_ids) for r in engine._requests.values() for s in r.seqs)
     before, ends = read(), [time.monotonic()]
-    for _ in range(steps):
-        engine.step()
-        ends.append(time.monotonic())
+    with CollectorClock() as collector:
+        for _ in range(steps):
+            engine.step()
+            ends.append(time.monotonic())
     tokens = (read() - before) / num_seqs
     for request_id in list(engine._requests):
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    return ends, tokens
+    return ends, tokens, collector
 
 
 def measure(num_seqs: int, device_ms: float | None, async_scheduling: bool | None, steps: int,
@@ -223,7 +248,7 @@ def measure(num_seqs: int, device_ms: float | None, async_scheduling: bool | Non
     try:
         engine = make_engine(num_seqs, async_scheduling, num_scheduler_steps)
         warmup.warm_up(engine)
-        ends, tokens = decode(engine, num_seqs, steps)
+        ends, tokens, collector = decode(engine, num_seqs, steps)
         # Its last dispatch done, so that the next stand-in's spans start with its own calls.
         jax.block_until_ready(engine.runner.kv_cache)
     finally:
@@ -231,7 +256,8 @@ def measure(num_seqs: int, device_ms: float | None, async_scheduling: bool | Non
             setattr(module, name, original)
     elapsed = ends[-1] - ends[0]
     row = dict(seqs=num_seqs, device_ms=device_ms, overlap=getattr(engine.resolved, "async_scheduling", False),
-               steps_per_dispatch=num_scheduler_steps, wall_ms=1e3 * elapsed / tokens)
+               steps_per_dispatch=num_scheduler_steps, wall_ms=1e3 * elapsed / tokens,
+               gc_ms=1e3 * collector.seconds / tokens, full_gcs=collector.full)
     if stand_in is not None:
         in_window = [(d, s, e) for d, (s, e) in zip(stand_in.dispatched, stand_in.spans) if ends[0] <= s <= ends[-1]]
         gaps = [max(0.0, d2 - e1) for (_, _, e1), (d2, _, _) in zip(in_window, in_window[1:])]
