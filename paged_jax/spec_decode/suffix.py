@@ -1,21 +1,21 @@
-"""Suffix decoding (Oliaro et al., 2024; arctic-inference's "suffix" method), on a depth-bounded trie.
+"""Suffix decoding (Oliaro et al., 2024; arctic-inference's "suffix" method), by searching the texts.
 
-Every substring of at most `depth` tokens is a path from the root, each node counting the substring's
-occurrences. A draft starts at the node of the context's longest suffix found in the trie and follows
-the most frequent child while the product of the children's shares (the estimate of each draft
-token's chance) stays at least `min_token_prob`; its length is also capped at `max_spec_factor` times
-the match's length, so a long, frequent match drafts far and a short or rare one little or nothing.
-A child's share is its count over its siblings' together, not over its parent's: the parent also
-counts the occurrences that end a text, the context's own among them, and those say nothing of what
-follows (over the parent's count, a suffix seen once before drafts at one chance in two).
+A draft starts at the occurrences of the context's longest suffix (at most `depth` - 1 tokens) that
+a token follows, and follows the most frequent of those next tokens while the product of their
+shares (the estimate of each draft token's chance) stays at least `min_token_prob`; its length is
+also capped at `max_spec_factor` times the match's length, so a long, frequent match drafts far and
+a short or rare one little or nothing. A share is a token's count over the occurrences that have a
+next token: the occurrence that ends the text (the context's own) says nothing of what follows.
+These are the counts a suffix trie of the texts holds at the matched node and its children.
 
-Two sources are searched, the better draft (by its expected accepted tokens) kept: the sequence's own
-prompt and output, and a trie shared over the outputs of the last `max_cached_requests` finished
-sequences, each removed again (its counts taken back, empty nodes pruned) once it is older, so the
-shared trie's size is bounded. Inserting a token touches one node per depth (the suffixes ending at
-it), so a trie costs O(depth) a token: for a sequence's own text that is tens of milliseconds of
-Python per thousand prompt tokens, paid at its first draft (a step's worth on two cores), so its own
-text is searched directly instead (`own_draft`, numpy over the tokens, the same counts and draft).
+Two texts are searched, the better draft (by its expected accepted tokens) kept: the sequence's own
+prompt and output, and the outputs of the last `max_cached_requests` finished sequences, joined with
+a separator no token equals (so no occurrence runs from one into the next); the oldest leaves once
+more are held, so the cache's size is bounded. Searching is numpy over the texts, a few vectorised
+passes per draft token: a trie would answer a proposal from a few nodes, but inserting a finished
+output into one touches `depth` nodes per token, tens of milliseconds of Python for a few hundred
+tokens (a decode step's worth on two cores, paid by the step in which a sequence finished), and
+building one over a sequence's own prompt costs as much per thousand tokens.
 """
 
 import collections
@@ -23,89 +23,16 @@ import dataclasses
 
 import numpy as np
 
-
-class _Node:
-    __slots__ = ("count", "children")
-
-    def __init__(self):
-        self.count = 0
-        self.children: dict[int, _Node] = {}
-
-
-class SuffixTrie:
-    """Counts of every substring of at most `depth` tokens of the texts added (and not removed)."""
-
-    def __init__(self, depth: int):
-        self.depth = depth
-        self.root = _Node()
-        self.num_nodes = 0
-
-    def extend(self, open_paths: list[tuple[_Node, int]], tokens, weight: int = 1) -> list[tuple[_Node, int]]:
-        """Add (weight 1) or take back (weight -1) the substrings ending at each of tokens, given the
-        open paths of the text before them (the nodes of its suffixes shorter than depth, with their
-        lengths; [(root, 0)] for a new text). Returns the text's open paths after them."""
-        for t in tokens:
-            t = int(t)
-            nxt = [(self.root, 0)]
-            for node, length in open_paths:
-                if length >= self.depth:
-                    continue
-                child = node.children.get(t)
-                if child is None:
-                    if weight < 0:
-                        continue
-                    child = node.children[t] = _Node()
-                    self.num_nodes += 1
-                child.count += weight
-                if child.count <= 0:
-                    self.num_nodes -= _size(child)
-                    del node.children[t]
-                    continue
-                nxt.append((child, length + 1))
-            open_paths = nxt
-        return open_paths
-
-    def match(self, context: list[int], max_len: int) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of context (at most max_len tokens) that has a continuation,
-        and its length; (None, 0) when none has."""
-        for m in range(min(max_len, len(context), self.depth - 1), 0, -1):
-            node = self.root
-            for t in context[len(context) - m :]:
-                node = node.children.get(t)
-                if node is None:
-                    break
-            if node is not None and node.children:
-                return node, m
-        return None, 0
-
-    def draft(self, context: list[int], k: int, min_token_prob: float,
-              max_spec_factor: float) -> tuple[list[int], float]:
-        """Up to k drafts continuing context, and their score (the sum of their estimated chances)."""
-        node, m = self.match(context, self.depth - 1)
-        limit = min(k, int(np.ceil(max_spec_factor * m)))
-        out, prob, score = [], 1.0, 0.0
-        while node is not None and len(out) < limit:
-            token, child = max(node.children.items(), key=lambda kv: kv[1].count)
-            prob *= child.count / sum(c.count for c in node.children.values())
-            if prob < min_token_prob:
-                break
-            out.append(token)
-            score += prob
-            # At the trie's depth the path ends: the context and drafts so far find where to go on.
-            node = child if child.children else self.match(context + out, self.depth - 1)[0]
-        return out, score
-
-
-def _size(node: _Node) -> int:
-    return 1 + sum(_size(c) for c in node.children.values())
+SEPARATOR = -1  # between the cached outputs: no token's id
 
 
 def _longest_match(text: np.ndarray, suffix: np.ndarray, max_len: int) -> tuple[np.ndarray, int]:
     """The ends i (ascending) of the longest suffix of `suffix` (at most max_len tokens) that occurs in
-    text with a token after it (i < len(text) - 1), and its length; (empty, 0) when none occurs."""
-    if len(suffix) == 0:
+    text with a token after it (i < len(text) - 1, text[i + 1] no SEPARATOR), and its length; (empty,
+    0) when none occurs."""
+    if len(suffix) == 0 or len(text) < 2:
         return np.zeros(0, np.int64), 0
-    ends = np.flatnonzero(text[:-1] == suffix[-1])
+    ends = np.flatnonzero((text[:-1] == suffix[-1]) & (text[1:] != SEPARATOR))
     m = 1 if len(ends) else 0
     for j in range(1, min(max_len, len(suffix))):
         back = ends - j
@@ -117,32 +44,35 @@ def _longest_match(text: np.ndarray, suffix: np.ndarray, max_len: int) -> tuple[
     return ends, m
 
 
-def own_draft(tokens: np.ndarray, k: int, max_match: int, min_token_prob: float,
-              max_spec_factor: float) -> tuple[list[int], float]:
-    """SuffixTrie.draft over a text's own substrings, without building its trie: tokens: int [L], the
-    text -> (up to k drafts, their score). The occurrences of the longest suffix (at most max_match
-    tokens) stand for the matched node, the tokens after them for its children (their counts, ties to
-    the earliest, as the trie's insertion order has it), so a proposal costs a few vectorised passes
-    over the text instead of depth nodes per token of it. Unlike the trie, a path is not cut at a
-    depth: it follows the occurrences as long as they last, then matches context + drafts again."""
-    tokens = np.asarray(tokens)
-    ends, m = _longest_match(tokens, tokens, max_match)
+def draft(text: np.ndarray, context: np.ndarray, k: int, max_match: int, min_token_prob: float,
+          max_spec_factor: float) -> tuple[list[int], float]:
+    """text: int [N], the tokens searched (SEPARATOR between texts); context: int [L], the sequence's
+    tokens (text itself for its own) -> (up to k drafts, their score: the sum of their chances).
+    The tokens after the occurrences of the longest suffix are counted (ties to the earliest, as a
+    trie's insertion order has it); the occurrences that go on with the drafted token are followed,
+    and once none is left (all ran into a text's end), context + drafts is matched again."""
+    ends, m = _longest_match(text, context, max_match)
     limit = min(k, int(np.ceil(max_spec_factor * m)))
     out, prob, score = [], 1.0, 0.0
     while len(ends) and len(out) < limit:
-        after = tokens[ends + 1]
-        values, first, counts = np.unique(after, return_index=True, return_counts=True)
-        best = np.flatnonzero(counts == counts.max())
-        pick = best[np.argmin(first[best])]
-        prob *= counts[pick] / len(after)
+        after = text[ends + 1]
+        if (after == after[0]).all():  # copying: one continuation (np.unique's sort is most of a draft's cost)
+            token = after[0]
+        else:
+            values, first, counts = np.unique(after, return_index=True, return_counts=True)
+            best = np.flatnonzero(counts == counts.max())
+            token = values[best[np.argmin(first[best])]]
+        agree = after == token
+        prob *= agree.sum() / len(after)
         if prob < min_token_prob:
             break
-        out.append(int(values[pick]))
+        out.append(int(token))
         score += prob
-        ends = ends[after == values[pick]] + 1
-        ends = ends[ends < len(tokens) - 1]
-        if not len(ends):  # every occurrence ran into the text's end: where do the drafts so far recur?
-            ends, _ = _longest_match(tokens, np.concatenate([tokens, out]), max_match)
+        ends = ends[agree] + 1
+        ends = ends[ends < len(text) - 1]
+        ends = ends[text[ends + 1] != SEPARATOR]
+        if not len(ends):  # every occurrence ran into its text's end: where do the drafts so far recur?
+            ends, _ = _longest_match(text, np.concatenate([context, out]), max_match)
     return out, score
 
 
@@ -155,28 +85,28 @@ class SuffixOptions:
 
 
 class SuffixProposer:
-    """Drafts for running sequences from their own tokens and the shared trie of finished outputs.
+    """Drafts for running sequences from their own tokens and the finished outputs cached.
 
-    `propose` takes a sequence's tokens as they stand (its own part needs no state: own_draft),
-    `finish` moves the sequence's output into the shared trie."""
+    `propose` takes a sequence's tokens as they stand (its own part needs no state), `finish` adds
+    the sequence's output to the cache."""
 
     def __init__(self, options: SuffixOptions = SuffixOptions()):
         self.options = options
-        self.shared = SuffixTrie(options.depth)
-        self._cached: collections.deque[np.ndarray] = collections.deque()
+        self.cached = np.zeros(0, np.int64)  # the cached outputs, each followed by SEPARATOR
+        self._lengths: collections.deque[int] = collections.deque()
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """tokens: the sequence's prompt then output -> up to k drafts."""
         o = self.options
-        own = own_draft(np.asarray(tokens), k, o.depth - 1, o.min_token_prob, o.max_spec_factor)
-        shared = self.shared.draft(tokens[-(o.depth - 1):], k, o.min_token_prob, o.max_spec_factor)
+        tokens = np.asarray(tokens, np.int64)
+        own = draft(tokens, tokens, k, o.depth - 1, o.min_token_prob, o.max_spec_factor)
+        shared = draft(self.cached, tokens, k, o.depth - 1, o.min_token_prob, o.max_spec_factor)
         return max(own, shared, key=lambda d: d[1])[0]
 
     def finish(self, output: list[int]) -> None:
-        """A sequence ended: its output joins the shared trie, the oldest cached one leaving if full."""
+        """A sequence ended: its output joins the cache, the oldest cached one leaving if full."""
         if not output or self.options.max_cached_requests <= 0:
             return
-        self.shared.extend([(self.shared.root, 0)], output)
-        self._cached.append(np.asarray(output))
-        if len(self._cached) > self.options.max_cached_requests:
-            self.shared.extend([(self.shared.root, 0)], self._cached.popleft(), weight=-1)
+        drop = self._lengths.popleft() + 1 if len(self._lengths) == self.options.max_cached_requests else 0
+        self._lengths.append(len(output))
+        self.cached = np.concatenate([self.cached[drop:], np.asarray(output, np.int64), [SEPARATOR]])

@@ -1,13 +1,14 @@
 """The proposers of speculative decoding against definitions written out the slow, obvious way."""
 
 import collections
+import math
 import random
 
 import numpy as np
 import pytest
 
 from paged_jax.spec_decode.ngram import propose_ngram
-from paged_jax.spec_decode.suffix import SuffixOptions, SuffixProposer, SuffixTrie, own_draft
+from paged_jax.spec_decode.suffix import SEPARATOR, SuffixOptions, SuffixProposer, draft
 
 
 def ngram_by_definition(tokens, k, min_n, max_n):
@@ -41,39 +42,36 @@ def test_ngram_proposes_what_followed_the_repeated_phrase():
     assert propose_ngram(np.asarray([1, 2, 3]), 3, 1, 3).tolist() == []
 
 
-def substring_counts(texts, depth):
-    counts = collections.Counter()
-    for t in texts:
-        for i in range(len(t)):
-            for j in range(i + 1, min(len(t), i + depth) + 1):
-                counts[tuple(t[i:j])] += 1
-    return counts
+def draft_by_definition(texts, context, k, max_match, min_token_prob, max_spec_factor):
+    """Suffix decoding's draft over lists: the longest suffix of context (at most max_match tokens)
+    that some text holds with a token after it; the most frequent of those next tokens (ties to the
+    earliest occurrence's), while the product of their shares stays at least min_token_prob, at most
+    k and ceil(factor x match) tokens; the occurrences going on with it are followed, and where none
+    is left, context + drafts is matched again."""
+    def occurrences(suffix):
+        for m in range(min(max_match, len(suffix)), 0, -1):
+            found = [(t, i) for t, text in enumerate(texts) for i in range(m - 1, len(text) - 1)
+                     if text[i - m + 1 : i + 1] == suffix[len(suffix) - m :]]
+            if found:
+                return found, m
+        return [], 0
 
-
-def trie_counts(trie):
-    out, stack = {}, [(trie.root, ())]
-    while stack:
-        node, path = stack.pop()
-        for t, child in node.children.items():
-            out[path + (t,)] = child.count
-            stack.append((child, path + (t,)))
-    return out
-
-
-def test_trie_counts_every_substring_added_in_pieces_and_forgets_removed_texts():
-    rng = random.Random(0)
-    texts = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
-    trie = SuffixTrie(depth=5)
-    for t in texts:
-        paths = [(trie.root, 0)]
-        cut = len(t) // 2
-        paths = trie.extend(paths, t[:cut])
-        trie.extend(paths, t[cut:])  # in two pieces, as a running sequence's tokens come
-    assert trie_counts(trie) == substring_counts(texts, 5)
-    for t in texts[:4]:
-        trie.extend([(trie.root, 0)], t, weight=-1)
-    assert trie_counts(trie) == substring_counts(texts[4:], 5)
-    assert trie.num_nodes == len(trie_counts(trie))
+    found, m = occurrences(context)
+    out, prob, score = [], 1.0, 0.0
+    while found and len(out) < min(k, math.ceil(max_spec_factor * m)):
+        after = [texts[t][i + 1] for t, i in found]
+        counts = collections.Counter(after)
+        best = max(counts.values())
+        token = next(a for a in after if counts[a] == best)
+        prob *= best / len(after)
+        if prob < min_token_prob:
+            break
+        out.append(token)
+        score += prob
+        found = [(t, i + 1) for t, i in found if texts[t][i + 1] == token and i + 2 < len(texts[t])]
+        if not found:
+            found, _ = occurrences(context + out)
+    return out, score
 
 
 def test_suffix_drafts_the_frequent_continuation_and_as_far_as_the_match_allows():
@@ -95,8 +93,10 @@ def test_suffix_shares_finished_outputs_and_stays_bounded():
     assert proposer.propose([3, 3, 10, 11, 12], k=3) == [13, 14, 15]
     for t in range(2, 40):
         proposer.finish([t, t + 1, t + 2])
-    assert trie_counts(proposer.shared) == substring_counts([[38, 39, 40], [39, 40, 41]], 6)
+    assert proposer.cached.tolist() == [38, 39, 40, SEPARATOR, 39, 40, 41, SEPARATOR]
     assert proposer.propose([3, 3, 10, 11, 12], k=3) == []  # the first output has left
+    # An output's end is not followed into the next one's start.
+    assert proposer.propose([5, 40], k=3) == [41]
 
 
 def test_suffix_stops_where_the_continuation_is_uncertain():
@@ -113,16 +113,21 @@ def test_suffix_chances_ignore_occurrences_that_end_the_text():
 
 
 @pytest.mark.parametrize("vocab", [2, 5])
-def test_suffix_own_draft_is_the_trie_draft_over_the_same_text(vocab):
-    # A trie deeper than the text never cuts a path, so it drafts exactly what own_draft finds from
-    # the occurrences (the same counts, ties to the earliest, the same matching again at the end).
+def test_suffix_drafts_as_defined_from_its_own_text_and_the_cached_outputs(vocab):
     rng = random.Random(vocab)
     for _ in range(300):
+        texts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(rng.randrange(0, 4))]
         tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
-        k = rng.randrange(1, 8)
+        k, depth = rng.randrange(1, 8), rng.choice([3, 6, 60])
         prob, factor = rng.choice([0.0, 0.1, 0.3]), rng.choice([0.5, 1.0, 4.0])
-        trie = SuffixTrie(depth=60)
-        trie.extend([(trie.root, 0)], tokens)
-        expected = trie.draft(tokens, k, prob, factor)
-        got = own_draft(np.asarray(tokens), k, trie.depth - 1, prob, factor)
-        assert got[0] == expected[0] and got[1] == pytest.approx(expected[1]), (tokens, k, prob, factor)
+        proposer = SuffixProposer(SuffixOptions(depth, max_cached_requests=len(texts) or 1, min_token_prob=prob,
+                                                max_spec_factor=factor))
+        for t in texts:
+            proposer.finish(t)
+        own = draft(np.asarray(tokens), np.asarray(tokens), k, depth - 1, prob, factor)
+        shared = draft(proposer.cached, np.asarray(tokens), k, depth - 1, prob, factor)
+        assert own[0] == draft_by_definition([tokens], tokens, k, depth - 1, prob, factor)[0], (tokens, k)
+        assert own[1] == pytest.approx(draft_by_definition([tokens], tokens, k, depth - 1, prob, factor)[1])
+        expected = draft_by_definition(texts, tokens, k, depth - 1, prob, factor)
+        assert shared[0] == expected[0] and shared[1] == pytest.approx(expected[1]), (texts, tokens, k)
+        assert proposer.propose(tokens, k) == max(own, shared, key=lambda d: d[1])[0]
