@@ -55,6 +55,7 @@ class Speculator:
             config.suffix_decoding_min_token_prob, config.suffix_decoding_max_spec_factor,
         )) if config.method == "suffix" else None
         self._seen: dict[int, tuple[Sequence, _Acceptance]] = {}
+        self.drafting = False  # whether the last propose gave drafts (fit has none to cut otherwise)
 
     def forget_outputs(self) -> None:
         """Empty suffix decoding's cache of finished outputs (a benchmark's runs then start alike)."""
@@ -70,9 +71,15 @@ class Speculator:
         """Give each decoding sequence its drafts for the next step (none where speculation cannot
         help: a constrained or beam row, a parent of n samples, a token pending, the end in sight)."""
         self._forget_finished()
-        active = self.active(running)
+        if not self.active(running):  # off by batch size: no work per sequence and step
+            if self.drafting:
+                for seq in running:
+                    seq.draft_ids = []
+                self.drafting = False
+            return
         for seq in running:
-            seq.draft_ids = self._drafts(seq) if active else []
+            seq.draft_ids = self._drafts(seq)
+        self.drafting = True
 
     def _drafts(self, seq: Sequence) -> list[int]:
         if (seq.num_pending or seq.forks > 1 or seq.guide is not None or seq.params.use_beam_search
@@ -101,6 +108,8 @@ class Speculator:
         budget may have cut it short) and to the head's rows (a row per sequence and one per draft,
         at most num_head_rows), and whether any draft is left. The others (running or preempted, and
         not scheduled) drop theirs."""
+        if not self.drafting:
+            return scheduled, False
         rows = len(scheduled)
         out = []
         for s in scheduled:
