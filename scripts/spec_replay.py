@@ -11,7 +11,8 @@ token comes from the prefill, and each later step proposes up to k drafts from t
 matches the output, and emits that prefix and one token more. Requests run in order, so suffix
 decoding's shared trie holds the earlier ones' outputs, as in bench_spec's offline run. Printed per
 workload and proposer: decode steps (fewer is better; none takes one per token after the first),
-draft tokens proposed and accepted. --show prints that many greedy outputs per workload beside their
+draft tokens proposed and accepted, and tokens verified (each step's last token and its drafts) per
+output token, what a step's compute grows with. --show prints that many greedy outputs per workload beside their
 overlap with the prompt's last user turn (the share of output tokens inside a run of 8 or more that
 the turn holds), to see whether a workload's outputs really repeat their inputs.
 """
@@ -109,7 +110,8 @@ def main(argv=None) -> dict:
         for name, make in proposers(args.max_spec_factor).items():
             row[name] = dict(zip(("steps", "draft_tokens", "accepted"), replay(make, requests, outputs, args.k)))
         print(f"{kind:8s} {row['tokens']:5d} tokens, overlap {row['overlap']:.0%}  " + "  ".join(
-            f"{n} {r['steps']} steps ({r['accepted']}/{r['draft_tokens']} accepted)"
+            f"{n} {r['steps']} steps ({r['accepted']}/{r['draft_tokens']} accepted, "
+            f"{(r['steps'] + r['draft_tokens']) / max(row['tokens'], 1):.2f} verified an output token)"
             for n, r in row.items() if isinstance(r, dict)), flush=True)
     return results
 

@@ -21,14 +21,18 @@ class SpeculativeConfig:
     # were accepted; it tries again after as many output tokens (0: never stops).
     min_acceptance_rate: float = 0.1
     acceptance_window: int = 32
-    # Suffix decoding (vLLM's names): the trie's depth, the finished outputs it holds, the least
-    # estimated chance of a draft token, and drafts per matched token. vLLM's factor is 1 (with k
-    # at the trie's depth by default); at k = 5 a short match just after an edit then drafts one or
-    # two tokens where prompt lookup drafts five, and on replayed greedy outputs (spec_replay.py)
-    # 2 took fewer steps than 1 and than prompt lookup on every workload of bench_spec.py.
+    # Suffix decoding (vLLM's names): the depth (a match is at most depth - 1 tokens), the finished
+    # outputs held, the least estimated chance of a draft token, and drafts per matched token. vLLM's
+    # factor is 1 (with k at the depth by default); at k = 5 a short match just after an edit then drafts
+    # one or two tokens where prompt lookup drafts five, and on replayed greedy outputs (spec_replay.py) 2
+    # took fewer steps than 1 and than prompt lookup on every workload of bench_spec.py. The least chance
+    # is 0.5 where vLLM's is 0.1: on the same replays (8 requests a workload) it verified 2 to 5% fewer
+    # tokens per output token on rewrite, W1 and quote (as many on edit) for at most 1.5% more steps, and
+    # a draft token's compute is not free on a CPU, where a step of 4 sequences and their drafts is bound
+    # by it.
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
-    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_min_token_prob: float = 0.5
     suffix_decoding_max_spec_factor: float = 2.0
 
     def __post_init__(self):
