@@ -3,29 +3,35 @@ and way of serving (in the process, and through the OpenAI server).
 
     python scripts/bench_spec.py [--rounds 3] [--methods ngram,suffix] [--concurrency 1,4,16]
                                  [--workloads edit,rewrite,quote,w1] [--modes offline,server]
-                                 [--requests 2] [--max-tokens 64] [--control] [--json out/spec.json]
+                                 [--requests 2] [--waves 1] [--max-tokens 64] [--control] [--json out/spec.json]
 
 Workloads (spec_workloads.py): (a) outputs that repeat their inputs, from what Python ships: `edit`
 (a stdlib function returned whole with one name changed), `rewrite` (a stdlib docstring copied with
-one word in capitals), `quote` (one docstring copied out of about 900 tokens of stdlib docstrings);
+one word in capitals), `quote` (document QA: a document of five stdlib docstrings, 850 to 1,100
+tokens, and requests each asking for one of its passages whole, 90 to 290 tokens: give it
+--max-tokens 300; a document's requests come one after another, sharing it as a prefix);
 (b) `w1`, W1's first requests (../shared/workloads/w1.json), where nothing repeats. A cell (workload,
-concurrency c) has max(c, --requests) requests, each at most --max-tokens long, greedy, EOS ignored,
-kept c at a time (closed loop).
+concurrency c) has max(waves x c, --requests) requests, each at most --max-tokens long, greedy, EOS
+ignored, kept c at a time (closed loop). A c = 16 cell of one wave is one run of a few seconds, which
+the machine's hiccups move by more than 3% (an engine identical to none read 0.88 to 1.03x): --waves 3
+or more there.
 
 Systems: no speculation, then one per --methods (k = --k, prompt lookup 2 to 5, disable_by_batch_size
 at the config's default unless --disable-by-batch-size; 0 never turns it off); --control adds a second
-engine without speculation, run last in every cell, whose ratio to none is what order and noise alone
-give a system. Offline, each is an
+engine without speculation, whose ratio to none is what noise alone gives a system. Offline, each is an
 engine over one loaded model, which first runs every cell once untimed (that compiles the shapes they
 meet); prefix cache and suffix decoding's cache of finished outputs are emptied before each run (a
 run learns from the requests finished earlier in it, never from an earlier run's). Through the
 server, `python -m paged_jax.serve` is started per system on loopback (each warms up before /ready)
 and kept for the whole run, driven by serving_client.closed_loop (every other request streamed);
 round r sends the r-th slice of the workload's requests, which no server has seen before (suffix
-decoding learns from the earlier rounds' outputs there, as a server does from its traffic). The modes
+decoding learns from the earlier rounds' outputs there, as a server does from its traffic); where a
+workload has fewer requests than rounds x cell (edit has 90, rewrite 51, W1 64), the later slices
+wrap round to its first requests, said when it starts. The modes
 run one after the other (offline's rounds, then the servers'), so engines and servers never share memory.
 
-Rounds alternate the systems cell by cell (a drift in the machine's speed hits all alike). Greedy
+Rounds alternate the systems cell by cell (a drift in the machine's speed hits all alike), their
+order rotated by one each round (none is always first, or last, in a cell). Greedy
 outputs must be identical with and without speculation, tokens offline and texts through the server
 (the script fails otherwise). It prints, per cell and system, the median over rounds of the round's
 ratio to no speculation, none's median tok/s, and acceptance (mean accepted tokens per verified
@@ -66,12 +72,14 @@ def parse_args(argv=None):
     p.add_argument("--workloads", default=",".join(spec_workloads.KINDS))
     p.add_argument("--modes", default="offline,server")
     p.add_argument("--requests", type=int, default=2, help="requests of a cell below this concurrency")
+    p.add_argument("--waves", type=int, default=1,
+                   help="a cell at concurrency c has at least waves x c requests (c = 16 needs 3 to resolve 3%%)")
     p.add_argument("--max-tokens", type=int, default=64, help="cap on each request's output")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--disable-by-batch-size", type=int,
                    help="speculation off from this many running sequences (0: never; default: the config's)")
     p.add_argument("--control", action="store_true",
-                   help="also a second engine without speculation, run last: the ratio a system reads for nothing")
+                   help="also a second engine without speculation: the ratio a system reads for nothing")
     p.add_argument("--vllm-python", help="also vLLM's CPU build from this virtualenv, with and without n-gram")
     p.add_argument("--json")
     return p.parse_args(argv)
@@ -85,7 +93,7 @@ def spec_configs(args) -> dict[str, dict | None]:
         if args.disable_by_batch_size is not None:
             config["disable_by_batch_size"] = args.disable_by_batch_size or None
         systems[method] = config
-    if args.control:  # run after the others in every cell, so its ratio to none shows order and noise alone
+    if args.control:  # its ratio to none shows what noise alone gives
         systems["none-again"] = None
     return systems
 
@@ -192,12 +200,16 @@ def main(argv=None) -> dict:
     modes = args.modes.split(",")
     # Offline, every round runs a cell's same requests (its caches emptied before each run); through
     # the server, round r runs the r-th slice of the pool, requests the servers have not seen.
-    most = max(max(levels), args.requests) * (args.rounds if "server" in modes else 1)
+    size = {c: max(c * args.waves, args.requests) for c in levels}  # requests of a cell
+    most = max(size.values()) * (args.rounds if "server" in modes else 1)
     pool = {w: spec_workloads.make(w, loaded.tokenizer, most, args.max_tokens) for w in kinds}
-    cells = [(w, c, pool[w][: max(c, args.requests)]) for w in kinds for c in levels]
+    for w, requests in pool.items():
+        if len(requests) < most:
+            print(f"{w}: {len(requests)} requests, {most} asked: the servers' later rounds repeat earlier ones")
+    cells = [(w, c, (pool[w] * most)[: size[c]]) for w in kinds for c in levels]
     rates: dict[tuple, list[float]] = {}
     acceptance: dict[tuple, list] = {}
-    reference: dict[tuple, list] = {}  # this round's outputs without speculation, per cell (ours; vLLM's)
+    reference: dict[tuple, list] = {}  # this round's first outputs per cell, which all must equal (ours; vLLM's)
 
     def record(key, name, rate, outputs, counts=None):
         rates.setdefault((*key, name), []).append(rate)
@@ -205,7 +217,7 @@ def main(argv=None) -> dict:
             acceptance.setdefault((*key, name), []).append(counts)
         same = reference.setdefault((*key, "vllm" if name.startswith("vllm") else "ours"), outputs)
         if outputs != same:
-            sys.exit(f"{name} on {key}: greedy outputs differ from no speculation's")
+            sys.exit(f"{name} on {key}: greedy outputs differ from the other systems' this round")
         print(f"round {len(rates[(*key, name)])} {' '.join(map(str, key)):20s} {name:12s} {rate:8.1f} tok/s", flush=True)
 
     vllm = None
@@ -218,18 +230,19 @@ def main(argv=None) -> dict:
                 stack.callback(vllm.close)
             urls = servers(args, systems, stack) if mode == "server" else {}
             for r in range(args.rounds):
+                order = list(systems)[r % len(systems):] + list(systems)[: r % len(systems)]
                 reference.clear()
                 for w, c, requests in cells:
                     if offline is not None:
-                        for name in systems:
+                        for name in order:
                             rate, tokens, counts = offline.round(name, requests, c)
                             record(("offline", w, c), name, rate, tokens, counts)
                     if vllm is not None and w != "w1":  # workload (a) only
                         for name, rate, tokens in vllm.round(requests, c):
                             record(("offline", w, c), name, rate, tokens)
-                    n = len(requests)
-                    for name, url in urls.items():
-                        record(("server", w, c), name, *serve(url, pool[w][r * n : (r + 1) * n], c, args.model))
+                    n, ring = len(requests), pool[w] * (most // len(pool[w]) + 1)
+                    for name in order:
+                        record(("server", w, c), name, *serve(urls[name], ring[r * n : (r + 1) * n], c, args.model))
             del offline
     figures = summarize(args, rates, acceptance)
     if vllm is not None and vllm.refusal:
