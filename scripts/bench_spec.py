@@ -3,15 +3,16 @@ and way of serving (in the process, and through the OpenAI server).
 
     python scripts/bench_spec.py [--rounds 3] [--methods ngram,suffix] [--concurrency 1,4,16]
                                  [--workloads edit,rewrite,quote,w1] [--modes offline,server]
-                                 [--requests 2] [--waves 1] [--max-tokens 64] [--control] [--json out/spec.json]
+                                 [--requests 2] [--waves 1] [--max-tokens N] [--control] [--json out/spec.json]
 
 Workloads (spec_workloads.py): (a) outputs that repeat their inputs, from what Python ships: `edit`
 (a stdlib function returned whole with one name changed), `rewrite` (a stdlib docstring copied with
 one word in capitals), `quote` (document QA: a document of five stdlib docstrings, 850 to 1,100
-tokens, and requests each asking for one of its passages whole, 90 to 290 tokens: give it
---max-tokens 300; a document's requests come one after another, sharing it as a prefix);
+tokens, and requests each asking for one of its passages whole, 90 to 290 tokens; a document's
+requests come one after another, sharing it as a prefix);
 (b) `w1`, W1's first requests (../shared/workloads/w1.json), where nothing repeats. A cell (workload,
-concurrency c) has max(waves x c, --requests) requests, each at most --max-tokens long, greedy, EOS
+concurrency c) has max(waves x c, --requests) requests, each at most --max-tokens long (default: the
+workload's, spec_workloads.MAX_TOKENS: 300 for quote's whole passages, 64 for the others), greedy, EOS
 ignored, kept c at a time (closed loop). A c = 16 cell of one wave is one run of a few seconds, which
 the machine's hiccups move by more than 3% (an engine identical to none read 0.88 to 1.03x): --waves 3
 or more there.
@@ -24,10 +25,10 @@ meet); prefix cache and suffix decoding's cache of finished outputs are emptied 
 run learns from the requests finished earlier in it, never from an earlier run's). Through the
 server, `python -m paged_jax.serve` is started per system on loopback (each warms up before /ready)
 and kept for the whole run, driven by serving_client.closed_loop (every other request streamed);
-round r sends the r-th slice of the workload's requests, which no server has seen before (suffix
-decoding learns from the earlier rounds' outputs there, as a server does from its traffic); where a
-workload has fewer requests than rounds x cell (edit has 90, rewrite 51, W1 64), the later slices
-wrap round to its first requests, said when it starts. The modes
+each cell of each round sends the workload's next requests, which no server has seen before (suffix
+decoding learns from the earlier cells' outputs there, as a server does from its traffic); where a
+workload has fewer requests than the cells and rounds take (edit has 90, rewrite 51, W1 64), the
+later cells wrap round to its first requests, said when it starts. The modes
 run one after the other (offline's rounds, then the servers'), so engines and servers never share memory.
 
 Rounds alternate the systems cell by cell (a drift in the machine's speed hits all alike), their
@@ -74,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=2, help="requests of a cell below this concurrency")
     p.add_argument("--waves", type=int, default=1,
                    help="a cell at concurrency c has at least waves x c requests (c = 16 needs 3 to resolve 3%%)")
-    p.add_argument("--max-tokens", type=int, default=64, help="cap on each request's output")
+    p.add_argument("--max-tokens", type=int, help="cap on each request's output (default: the workload's)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--disable-by-batch-size", type=int,
                    help="speculation off from this many running sequences (0: never; default: the config's)")
@@ -199,14 +200,16 @@ def main(argv=None) -> dict:
     kinds = args.workloads.split(",")
     modes = args.modes.split(",")
     # Offline, every round runs a cell's same requests (its caches emptied before each run); through
-    # the server, round r runs the r-th slice of the pool, requests the servers have not seen.
+    # the server, every cell of every round takes the workload's next requests, which no server has seen.
     size = {c: max(c * args.waves, args.requests) for c in levels}  # requests of a cell
-    most = max(size.values()) * (args.rounds if "server" in modes else 1)
-    pool = {w: spec_workloads.make(w, loaded.tokenizer, most, args.max_tokens) for w in kinds}
+    most = max(max(size.values()), sum(size.values()) * (args.rounds if "server" in modes else 0))
+    pool = {w: spec_workloads.make(w, loaded.tokenizer, most, args.max_tokens or spec_workloads.MAX_TOKENS[w])
+            for w in kinds}
     for w, requests in pool.items():
         if len(requests) < most:
-            print(f"{w}: {len(requests)} requests, {most} asked: the servers' later rounds repeat earlier ones")
+            print(f"{w}: {len(requests)} requests, {most} asked: the servers' later cells repeat earlier requests")
     cells = [(w, c, (pool[w] * most)[: size[c]]) for w in kinds for c in levels]
+    sent = dict.fromkeys(kinds, 0)  # requests of each workload sent to the servers so far
     rates: dict[tuple, list[float]] = {}
     acceptance: dict[tuple, list] = {}
     reference: dict[tuple, list] = {}  # this round's first outputs per cell, which all must equal (ours; vLLM's)
@@ -240,9 +243,11 @@ def main(argv=None) -> dict:
                     if vllm is not None and w != "w1":  # workload (a) only
                         for name, rate, tokens in vllm.round(requests, c):
                             record(("offline", w, c), name, rate, tokens)
-                    n, ring = len(requests), pool[w] * (most // len(pool[w]) + 1)
-                    for name in order:
-                        record(("server", w, c), name, *serve(urls[name], ring[r * n : (r + 1) * n], c, args.model))
+                    if urls:
+                        fresh = [pool[w][(sent[w] + j) % len(pool[w])] for j in range(len(requests))]
+                        sent[w] += len(requests)
+                        for name in order:
+                            record(("server", w, c), name, *serve(urls[name], fresh, c, args.model))
             del offline
     figures = summarize(args, rates, acceptance)
     if vllm is not None and vllm.refusal:

@@ -19,6 +19,8 @@ import bench_throughput
 from paged_jax.core.llm import chat_prompt
 
 KINDS = ("edit", "rewrite", "quote", "w1")
+# Each workload's cap on an output, unless the caller gives one: quote's answers are whole passages.
+MAX_TOKENS = {"edit": 64, "rewrite": 64, "quote": 300, "w1": 64}
 # Standard-library modules whose functions the edit workload rewrites: plain Python, a few dozen lines each.
 EDIT_SOURCES = ("textwrap", "shlex", "fnmatch", "colorsys", "heapq", "bisect", "glob", "keyword", "posixpath",
                 "genericpath", "base64", "difflib", "statistics")
@@ -111,7 +113,7 @@ def rewrite(tokenizer, n: int, max_tokens: int) -> list[tuple[list[int], int]]:
 # Quote is document QA: a long document (QUOTE_PASSAGES docstrings of at most TEXTS_MAX_CHARS, each in ```
 # lines, 850 to 1,100 tokens; prompts of 1,150 to 1,420 with the worked exchange) and a request to copy
 # one of its passages whole, the document's next requests asking for its other passages. The answer is the
-# long quote itself, 90 to 290 tokens (max_tokens: its length and 8 more, under --max-tokens; give 300):
+# long quote itself, 90 to 290 tokens (max_tokens: its length and 8 more, at most MAX_TOKENS):
 # under the first design (each request its own context, capped at 64 output tokens) the prefill, which
 # speculation does not shorten, was most of a request's time, and an answer of 64 tokens quotes a
 # sentence, not a passage. Requests on one document share it as their prompts' prefix, as questions on one
