@@ -79,7 +79,11 @@ def _copy_with_capitals(doc: str) -> tuple[str, str]:
 
 def _quote(passages: list[str], target: str) -> tuple[str, str]:
     """(the request to copy, of the passages each in ``` lines, the one that is target, the copy)."""
-    opening = " ".join(target.split("\n")[0].split(" ")[:6])  # as written: within its first line
+    words = target.split("\n")[0].split(" ")  # as written: within its first line
+    others = [p for p in passages if p != target]
+    # Its first six words, or as many more as tell it from every other passage's beginning.
+    opening = next((" ".join(words[:n]) for n in range(6, len(words) + 1)
+                    if not any(p.startswith(" ".join(words[:n])) for p in others)), " ".join(words))
     context = "\n\n".join(f"```\n{p}\n```" for p in passages)
     return (f"{context}\n\nCopy the ``` block above that begins \"{opening}\" exactly. Answer with it in "
             "``` lines."), f"```\n{target}\n```"
