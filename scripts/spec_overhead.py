@@ -19,9 +19,9 @@ import statistics
 import time
 
 import numpy as np
+import spec_workloads
 
 import models
-import spec_workloads
 from paged_jax import EngineConfig, LLMEngine, SamplingParams
 from paged_jax.spec_decode.speculator import Speculator
 
@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     for name in ["none", *args.methods.split(",")]:
         engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=1024, kv_cache_memory_bytes=1 << 30,
-            speculative_config=None if name == "none" else dict(method=name)))
+            speculative_config=None if name == "none" else {"method": name}))
         for prompt, _ in spec_workloads.w1(args.max_num_seqs, 1):
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2 * args.steps + 100, ignore_eos=True))
         running = engine.scheduler.running
@@ -75,10 +75,10 @@ def main(argv=None) -> dict:
             device[name].append(engine.runner.device_seconds - before)
     results = {}
     for name in engines:
-        r = results[name] = dict(step_ms=statistics.median(times[name]) * 1e3,
-                                 device_ms=statistics.median(device[name]) * 1e3,
-                                 host_ms=statistics.median(np.subtract(times[name], device[name])) * 1e3,
-                                 none_over_this=statistics.median(np.divide(times["none"], times[name])))
+        r = results[name] = {"step_ms": statistics.median(times[name]) * 1e3,
+                             "device_ms": statistics.median(device[name]) * 1e3,
+                             "host_ms": statistics.median(np.subtract(times[name], device[name])) * 1e3,
+                             "none_over_this": statistics.median(np.divide(times["none"], times[name]))}
         print(f"{name:7s} step {r['step_ms']:7.2f} ms  device {r['device_ms']:7.2f} ms  host {r['host_ms']:6.3f} ms  "
               f"none/this {r['none_over_this']:.3f}")
     results["speculator_us_per_step"] = {k: v / args.steps * 1e6 for k, v in spent.items()}
