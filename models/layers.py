@@ -38,7 +38,7 @@ def linear(x: jax.Array, w: jax.Array, out_shape: tuple[int, ...], packed: bool,
     C++ kernel, which computes only the leading `rows` rows (int32 scalar: the step's real tokens;
     None: all) and gives zeros for the padding after them. panels: the same weight in oneDNN's layout
     (cpu_kernel.pack_panels), which a step of at least onednn_rows tokens multiplies by instead. add: a
-    packed LoRA delta to add after the matmul (lora_packed.Addend)."""
+    packed LoRA delta to add after the matmul (lora_packed.SlotAddend or DenseAddend)."""
     n = math.prod(out_shape)
     if not packed:
         out = jnp.tensordot(x, w, axes=1)

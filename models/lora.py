@@ -103,8 +103,8 @@ class LayerLoRA:
     index: jax.Array  # int32 [num_tokens], LoRARows.index
 
     def addend(self, group: str, x: jax.Array, rows=None) -> tuple | None:
-        """What projection `group`'s base matmul adds (layers.linear's `add`, a lora_packed.Addend) for its
-        input x [num_tokens, in], or None (XLA-layout slots): then add `delta`'s."""
+        """What projection `group`'s base matmul adds (layers.linear's `add`: a lora_packed.SlotAddend or
+        DenseAddend) for its input x [num_tokens, in], or None (XLA-layout slots): then add `delta`'s."""
         return self.projections[group].addend(x, self.onehot, self.index, rows)
 
     def delta(self, group: str, x: jax.Array, rows=None) -> tuple[jax.Array, ...]:

@@ -97,7 +97,7 @@ class PackedProjection:
         return dataclasses.replace(self, a=jax.lax.dynamic_update_index_in_dim(self.a, a, index, axis=0),
                                    b=jax.lax.dynamic_update_index_in_dim(self.b, b, index, axis=1))
 
-    def addend(self, x: jax.Array, onehot: jax.Array, index: jax.Array, rows) -> "Addend":
+    def addend(self, x: jax.Array, onehot: jax.Array, index: jax.Array, rows) -> "SlotAddend | DenseAddend":
         """The delta as layers.linear adds it to the base matmul. x: [num_tokens, in]; onehot: [num_tokens,
         max_loras] float32, row t's slot s >= 1 at s - 1 (all zeros: the base model); index: int32
         [num_tokens], the same s - 1 (-1: the base model); rows: int32 scalar, the leading rows that are real
@@ -112,35 +112,44 @@ class PackedProjection:
         n, panels, k, _ = self.a.shape
         parts, r = len(self.out), self.rank
         if x.shape[0] < PACKED_MAX_ROWS:
-            return Addend(x, self.b, np.asarray(self.parts, np.int32), self.a, index, rows)
+            return SlotAddend(x, self.a, self.b, np.asarray(self.parts, np.int32), index, rows)
         a = self.a.transpose(2, 0, 1, 3).reshape(k, n * panels * PANEL)
         h = jnp.dot(x, a).reshape(-1, n, panels * PANEL)[:, :, : parts * r].reshape(-1, n, parts, r)
         h = (h * onehot[:, :, None, None]).transpose(0, 2, 1, 3)  # [num_tokens, parts, max_loras, max_rank]
         own = np.repeat(np.asarray(self.parts)[None, :] == np.arange(parts)[:, None], PANEL, axis=1)  # [parts, cols]
         b = self.b.transpose(1, 2, 0, 3).reshape(1, n * r, -1) * own[:, None, :]
-        return Addend(h.reshape(-1, parts * n * r), b.reshape(parts * n * r, -1)[:, : sum(self.out)])
+        return DenseAddend(h.reshape(-1, parts * n * r), b.reshape(parts * n * r, -1)[:, : sum(self.out)])
 
 
 @dataclasses.dataclass(frozen=True)
-class Addend:
-    """A packed LoRA delta that layers.linear adds to a base matmul's output [num_tokens, out] float32.
+class SlotAddend:
+    """A few rows' LoRA delta, added by the C++ kernel (lora_cpu) to a base matmul's output [num_tokens,
+    out] float32, in place.
 
-    groups given (few rows): h is x float32 [num_tokens, in], a [max_loras, panels, in, PANEL] and b
-        [ceil(out / PANEL), max_loras, max_rank, PANEL] PackedProjection's, groups int32 [ceil(out / PANEL)]
-        each panel's part, slot int32 [num_tokens] (each row's, 0-based; -1: none), rows the leading real
-        rows (int32 scalar or None): by lora_cpu, in place.
-    groups None: h [num_tokens, depth] @ b [depth, out], by XLA.
+    x: float32 [num_tokens, in]; a [max_loras, panels, in, PANEL] and b [ceil(out / PANEL), max_loras,
+    max_rank, PANEL]: PackedProjection's; groups: int32 [ceil(out / PANEL)], each panel's part; slot: int32
+    [num_tokens], each row's (0-based; -1: none); rows: the leading real rows (int32 scalar or None: all).
     """
 
-    h: jax.Array
+    x: jax.Array
+    a: jax.Array
     b: jax.Array
-    groups: np.ndarray | None = None
-    a: jax.Array | None = None
-    slot: jax.Array | None = None
+    groups: np.ndarray
+    slot: jax.Array
     rows: jax.Array | int | None = None
 
     def added_to(self, out: jax.Array) -> jax.Array:
-        """out [num_tokens, out] plus this delta (out's buffer reused where the kernel adds it)."""
-        if self.groups is None:
-            return out + jnp.dot(self.h, self.b)
-        return cpu_kernel.lora_cpu(out, self.h, self.a, self.b, self.groups, self.slot, self.rows)
+        """out [num_tokens, out] plus this delta (out's buffer reused)."""
+        return cpu_kernel.lora_cpu(out, self.x, self.a, self.b, self.groups, self.slot, self.rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseAddend:
+    """Many rows' LoRA delta, h [num_tokens, depth] @ b [depth, out], added by XLA."""
+
+    h: jax.Array
+    b: jax.Array
+
+    def added_to(self, out: jax.Array) -> jax.Array:
+        """out [num_tokens, out] plus this delta."""
+        return out + jnp.dot(self.h, self.b)
