@@ -42,3 +42,31 @@ def test_same_completions_and_drafts_counted_under_vllm_names(tiny_chat_model):
     per_position = [samples.get(("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i)), 0) for i in range(3)]
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
     assert samples[("paged_jax:spec_decode_num_drafts_total", None)] == drafts
+
+
+def streamed(tiny_chat_model, prompt, **options) -> tuple[list[str], int, float]:
+    """A streamed completion through the openai client: its chunks' texts, its completion tokens,
+    and the draft tokens the server accepted."""
+    engine = LLMEngine(tiny_chat_model.model, tiny_chat_model.config, tiny_chat_model.tokenizer,
+                       EngineConfig(**ENGINE, **options))
+    with running_server(build_app(engine, ServerConfig(served_model_name=MODEL))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body=dict(ignore_eos=True)))
+        text = httpx.get(f"{url}/metrics").text
+    accepted = sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == "paged_jax:spec_decode_num_accepted_tokens_total")
+    return [c.choices[0].text for c in chunks if c.choices], chunks[-1].usage.completion_tokens, accepted
+
+
+def test_a_step_streams_its_accepted_tokens_as_one_event(tiny_chat_model):
+    # As vLLM's deltas: one event per step and request with all the tokens it emitted, not one per
+    # token, so a client's and the server's work per event is paid once per step.
+    prompt = [5, 6, 7, 8] * 6
+    plain, plain_tokens, _ = streamed(tiny_chat_model, prompt)
+    texts, tokens, accepted = streamed(tiny_chat_model, prompt, speculative_config=SPEC)
+    assert "".join(texts) == "".join(plain) and tokens == plain_tokens == 24
+    assert accepted > 0
+    # The prefill's token, then one event per step at most (a reader that falls behind gets steps folded).
+    assert len(texts) <= tokens - accepted
