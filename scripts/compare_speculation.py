@@ -51,7 +51,7 @@ def measure(engine: LLMEngine, requests, concurrency: int) -> tuple[float, list,
     """(output tok/s, outputs, {"drafts", "draft_tokens", "accepted"} of this run, {} without speculation)."""
     spec = engine.speculator
     before = dataclasses.replace(spec.stats) if spec else None
-    elapsed, outputs = bench_spec.run(engine, requests, concurrency)
+    elapsed, outputs, _ = bench_spec.run(engine, requests, concurrency)
     counts = {}
     if spec:
         counts = dict(drafts=spec.stats.num_drafts - before.num_drafts,

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 
 async def one_request(http: httpx.AsyncClient, request: dict, model: str, stream: bool = True) -> dict:
@@ -59,6 +60,18 @@ async def closed_loop(base_url: str, requests: list[dict], concurrency: int, mod
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return results, time.perf_counter() - start
+
+
+def server_counters(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """A paged_jax server's counters from /metrics, by name without its prefix and suffix
+    (paged_jax:num_compiles_total is num_compiles; a histogram's name gives its count)."""
+    found = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text):
+        for s in family.samples:
+            name = s.name.removeprefix("paged_jax:").removesuffix("_total").removesuffix("_count")
+            if s.name.startswith("paged_jax:") and name in found:
+                found[name] += s.value
+    return found
 
 
 async def replay(base_url: str, requests: list[dict], rate: float, seed: int, model: str) -> tuple[list[dict], float]:

@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     results = {}
     for kind in args.workloads.split(","):
         requests = spec_workloads.make(kind, loaded.tokenizer, args.requests, args.max_tokens)
-        _, outputs = run(engine, requests, len(requests))
+        _, outputs, _ = run(engine, requests, len(requests))
         shares = [overlap(last_turn(loaded.tokenizer, list(prompt)), out) for (prompt, _), out in zip(requests, outputs)]
         for (prompt, _), out, share in list(zip(requests, outputs, shares))[: args.show]:
             print(f"--- {kind}: overlap {share:.0%}\n{loaded.tokenizer.decode(prompt)[-300:]!r}\n>>> "
