@@ -266,22 +266,22 @@ def main(argv=None) -> dict:
     vllm = None
     for mode in modes:  # one after the other: the engines of one and the servers of the other never together
         with contextlib.ExitStack() as stack:  # servers and peers stopped however the run ends
-            warm = {id(requests): (requests, c) for (_, _, c), requests in offline_cells.items()}  # each run once
-            offline = Offline(args, loaded, systems, list(warm.values())) if mode == "offline" else None
+            warm = {id(q): (w, c, q) for (_, w, c), q in offline_cells.items()}  # each run once
+            offline = Offline(args, loaded, systems, [(q, c) for _, c, q in warm.values()]) if mode == "offline" else None
             if args.vllm_python and mode == "offline":
                 import spec_vllm
-                vllm = spec_vllm.Peer(args, [r for w, _, r in cells if w != "w1"])
+                vllm = spec_vllm.Peer(args, [q for w, _, q in warm.values() if w != "w1"])
                 stack.callback(vllm.close)
             urls = servers(args, systems, stack) if mode == "server" else {}
             for r in range(args.rounds):
                 order = list(systems)[r % len(systems):] + list(systems)[: r % len(systems)]
                 reference.clear()
-                for w, c, requests in cells:
+                for w, c, _ in cells:
                     if offline is not None:
                         for name in order:
                             record(("offline", w, c), name, *offline.round(name, offline_cells[r, w, c], c))
                     if vllm is not None and w != "w1":  # workload (a) only
-                        for name, rate, tokens in vllm.round(requests, c):
+                        for name, rate, tokens in vllm.round(offline_cells[r, w, c], c):
                             record(("offline", w, c), name, rate, tokens)
                     if urls:
                         for name in order:  # a server without speculation counts no drafts
