@@ -414,6 +414,91 @@ void AttendDecode(const Shapes& sh, const float* q, const KV* k_pages, const KV*
   }
 }
 
+// A decode row at head_dim == kLanes (16 with AVX-512: bench_overlap's tiny model), blocks a multiple of
+// kLanes slots, every KV head in one work item. There a position's q . k is a single FMA, and
+// AttendDecode's shuffle tree per kLanes positions and query head, and its online softmax per block and
+// query head (a max, an exp and a sum across lanes, the accumulator rescaled), cost several times the
+// FMAs. Instead, kLanes K rows at a time are transposed in registers once for a KV head's G query heads,
+// each of which then takes kLanes scores from kLanes FMAs; every score of the context is kept
+// (num_heads x context floats, in L1 or L2 for contexts of thousands), so the softmax is exact, with no
+// running max and no rescaling; then V in a second pass. (Prefetching the blocks 1 to 8 ahead in
+// software, K's then V's, changed nothing measurable: scripts/bench_decode_attention.py.)
+
+template <typename KV>
+void AttendDecodeNarrow(const Shapes& sh, const float* q, const KV* k_pages, const KV* v_pages, const int32_t* table,
+                        int seq_len, int64_t token, float scale, float* out) {
+  using paged_jax::Load;
+  using paged_jax::Vec;
+  constexpr int L = paged_jax::kLanes;
+  const int64_t BS = sh.block_size, H = sh.num_kv_heads, G = sh.num_heads / H, R = sh.num_heads;
+  const int64_t ss = sh.slot_stride, hs = sh.head_stride, block_stride = BS * H * L;
+  const int64_t lo = FirstVisible(sh, seq_len - 1), b0 = lo / BS, blocks = (seq_len + BS - 1) / BS;
+  // Scores of positions b0 * BS + i for i < span, the last block's rounded up to whole vectors: those
+  // outside [lo, seq_len) are kNoScore.
+  const int64_t span = (blocks - 1 - b0) * BS + (seq_len - (blocks - 1) * BS + L - 1) / L * L;
+  // Scores [R][span], scaled q and then the accumulators [R][L], 1 / the softmax sums [R].
+  thread_local std::vector<float> buffer;
+  buffer.resize(R * (span + L + 1));
+  float *acc = buffer.data() + R * span, *inv = acc + R * L;
+  const float* q_token = q + token * R * L;
+  for (int64_t i = 0; i < R * L; ++i) acc[i] = q_token[i] * scale;
+  const Vec first = Vec{} + (float)(lo - b0 * BS), end = Vec{} + (float)(seq_len - b0 * BS);
+  for (int64_t b = b0; b < blocks; ++b) {
+    const int n = (int)std::min<int64_t>(BS, seq_len - b * BS);  // written slots only: the rest may hold NaN
+    for (int64_t h = 0; h < H; ++h) {
+      const KV* kb = k_pages + (int64_t)table[b] * block_stride + h * hs;
+      for (int t0 = 0; t0 < n; t0 += L) {
+        Vec kt[L];
+        for (int t = 0; t < L; ++t) kt[t] = t0 + t < n ? Load(kb + (t0 + t) * ss) : Vec{};
+        Transpose(kt);  // kt[d]: dimension d of positions t0 .. t0 + L - 1
+        const int64_t i0 = (b - b0) * BS + t0;
+        const Vec lanes = LanePositions((int)i0);
+        for (int64_t r = h * G; r < (h + 1) * G; ++r) {
+          const float* qr = acc + r * L;
+          Vec s = kt[0] * qr[0];
+          for (int d = 1; d < L; ++d) s += kt[d] * qr[d];
+          if (sh.soft_cap > 0.0f) {
+            alignas(64) float capped[L];
+            paged_jax::Store(capped, s);
+            SoftCap(sh, capped, L);
+            s = Load(capped);
+          }
+          paged_jax::Store(&buffer[r * span + i0], (lanes >= first) & (lanes < end) ? s : Vec{} + kNoScore);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {  // the softmax's weights, unnormalised, and 1 / their sum
+    float* sr = &buffer[r * span];
+    Vec top = Vec{} + kNoScore;
+    for (int64_t i = 0; i < span; i += L) top = top > Load(sr + i) ? top : Load(sr + i);
+    const float m = Max(top);
+    Vec sum{};
+    for (int64_t i = 0; i < span; i += L) {
+      const Vec s = Load(sr + i), kept = s > kNoScore * 0.5f ? ExpNonPositive(s - m) : Vec{};  // masked: 0
+      paged_jax::Store(sr + i, kept);
+      sum += kept;
+    }
+    paged_jax::Store(acc + r * L, Vec{});
+    inv[r] = 1.0f / paged_jax::Sum(sum);  // the last position is always seen: sum >= 1
+  }
+  for (int64_t b = b0; b < blocks; ++b) {
+    const int n = (int)std::min<int64_t>(BS, seq_len - b * BS);
+    const int from = (int)std::max<int64_t>(0, lo - b * BS);  // slots before the window: never read
+    for (int64_t h = 0; h < H; ++h) {
+      const KV* vb = v_pages + (int64_t)table[b] * block_stride + h * hs;
+      for (int64_t r = h * G; r < (h + 1) * G; ++r) {
+        const float* p = &buffer[r * span + (b - b0) * BS];
+        Vec a = Load(acc + r * L);
+        for (int t = from; t < n; ++t) a += p[t] * Load(vb + t * ss);
+        paged_jax::Store(acc + r * L, a);
+      }
+    }
+  }
+  float* dst = out + token * R * L;
+  for (int64_t r = 0; r < R; ++r) paged_jax::Store(dst + r * L, Load(acc + r * L) * inv[r]);
+}
+
 template <typename KV>
 using DecodeFn = void (*)(const Shapes&, const float*, const KV*, const KV*, const int32_t*, int, int64_t, float,
                           float*);
@@ -421,6 +506,7 @@ using DecodeFn = void (*)(const Shapes&, const float*, const KV*, const KV*, con
 // AttendDecode for this shape, or nullptr where it does not apply (AttendRows serves every shape).
 template <typename KV>
 DecodeFn<KV> DecodeFor(const Shapes& sh) {
+  if (sh.head_dim == paged_jax::kLanes && sh.block_size % paged_jax::kLanes == 0) return AttendDecodeNarrow<KV>;
   if (sh.head_dim % paged_jax::kLanes || sh.block_size > kMaxBlockSize) return nullptr;
   switch (sh.head_dim / paged_jax::kLanes) {
     case 1: return AttendDecode<1, KV>;

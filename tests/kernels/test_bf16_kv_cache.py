@@ -44,9 +44,10 @@ def _check(kernel, inputs, case: Case):
 
 _cpu = jax.jit(cpu_kernel.paged_attention_cpu, static_argnames=("max_query_len", "layout", "sliding_window", "soft_cap"))
 # (group, head_dim, block_size): the decode loop of groups 1, 3 (SmolLM2), 8, over blocks of 8 to 256
-# (256 beyond its bound, as 5 heads a group is: both go through the tiles); test_cpu_kernel.py's
-# multi-token shapes, whose head_dim of 40 or 12 leaves a tail read a value at a time.
-SHAPES = [(1, 64, 16), (3, 128, 128), (8, 16, 8), (5, 64, 16), (4, 64, 256)] + PREFILL_SHAPES
+# (256 beyond its bound, as 5 heads a group is: both go through the tiles), its narrow path (head_dim
+# 16 over blocks of 16, the tiny model's); test_cpu_kernel.py's multi-token shapes, whose head_dim of
+# 40 or 12 leaves a tail read a value at a time.
+SHAPES = [(1, 64, 16), (3, 128, 128), (8, 16, 8), (5, 64, 16), (4, 64, 256), (3, 16, 16)] + PREFILL_SHAPES
 
 
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=case_id)

@@ -39,10 +39,11 @@ def test_matches_reference(case):
 
 
 # The decode path is compiled per group size (1, 2, 3, 4, 6, 8) for head_dim a multiple of the vector
-# width and blocks of up to 128 slots; other shapes go through the general tile (5 heads a group,
-# head_dim 40, blocks of 256).
-DECODE_SHAPES = [(g, d, bs) for g in (1, 2, 3, 4, 5, 6, 8) for d, bs in ((64, 16), (16, 8))] + [
-    (3, 128, 128), (2, 40, 16), (4, 64, 256)]
+# width and blocks of up to 128 slots; head_dim 16 over blocks of 16 or 64 (AVX-512's one vector, the
+# tiny model's shape) takes the narrow path, which transposes K and keeps every score; other shapes go
+# through the general tile (5 heads a group, head_dim 40, blocks of 256).
+DECODE_SHAPES = [(g, d, bs) for g in (1, 2, 3, 4, 5, 6, 8) for d, bs in ((64, 16), (16, 8), (16, 16))] + [
+    (3, 128, 128), (2, 40, 16), (4, 64, 256), (3, 16, 64)]
 
 
 @pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
@@ -132,7 +133,7 @@ def test_multi_token_rows_of_every_shape(group, head_dim, block_size, kv_layout)
 @pytest.mark.parametrize("window,soft_cap", [(1, None), (5, None), (16, None), (64, None), (200, None), (None, 2.0),
                                              (16, 2.0)])
 @pytest.mark.parametrize("kv_layout", layout.LAYOUTS)
-@pytest.mark.parametrize("head_dim,block_size", [(256, 16), (64, 8), (40, 16)])
+@pytest.mark.parametrize("head_dim,block_size", [(256, 16), (64, 8), (40, 16), (16, 16)])
 def test_sliding_windows_and_soft_caps_on_every_path(window, soft_cap, kv_layout, head_dim, block_size):
     """Decode rows (AttendDecode; AttendRows for head_dim 40) and query tiles (AttendRows), windows of
     one key, inside a page, of a whole key chunk, and past the context, blocks behind them poisoned;
