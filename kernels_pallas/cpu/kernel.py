@@ -13,13 +13,13 @@ kernels, packing.py lays the weights out once at load, and linear.py calls the m
 from kernels_pallas.cpu.attention import PAGE_DTYPES, layout_attributes, paged_attention_cpu, write_kv_cpu
 from kernels_pallas.cpu.library import (amx_usable, available, build_error, onednn_available, onednn_error,
                                         prepare_onednn, unwritten, use_amx, use_helpers)
-from kernels_pallas.cpu.linear import linear_cpu, linear_int8_cpu, linear_onednn_cpu, lora_cpu, onednn_min_rows
+from kernels_pallas.cpu.linear import argmax_linear_cpu, linear_cpu, linear_int8_cpu, linear_onednn_cpu, lora_cpu, onednn_min_rows
 from kernels_pallas.cpu.packing import (INT8_GROUP, ONEDNN_DEPTH, ONEDNN_PANEL, PANEL, pack_columns, pack_int8,
                                         pack_panels, unpack_columns, unpack_int8)
 
 __all__ = [
     "INT8_GROUP", "ONEDNN_DEPTH", "ONEDNN_PANEL", "PAGE_DTYPES", "PANEL",
-    "amx_usable", "available", "build_error", "layout_attributes", "linear_cpu", "linear_int8_cpu",
+    "amx_usable", "argmax_linear_cpu", "available", "build_error", "layout_attributes", "linear_cpu", "linear_int8_cpu",
     "linear_onednn_cpu", "lora_cpu", "onednn_available", "onednn_error", "onednn_min_rows",
     "pack_columns", "pack_int8", "pack_panels", "paged_attention_cpu", "prepare_onednn", "unpack_columns", "unpack_int8",
     "unwritten", "use_amx", "use_helpers", "write_kv_cpu",

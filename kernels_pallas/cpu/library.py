@@ -30,6 +30,7 @@ _ONEDNN_SOURCES = (_HERE / "onednn_linear.cc",)
 # The FFI targets the libraries register, which the wrappers (attention.py, linear.py) call.
 ATTENTION = "paged_jax_paged_attention_cpu"
 LINEAR = "paged_jax_linear_cpu_f32"
+ARGMAX_LINEAR = "paged_jax_argmax_linear_cpu_f32"
 LORA = "paged_jax_lora_cpu_f32"
 LINEAR_INT8 = "paged_jax_linear_cpu_int8"
 LINEAR_ONEDNN = "paged_jax_linear_onednn_f32"
@@ -104,6 +105,7 @@ def build_error() -> str | None:
         return str(e)
     jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(library.PagedAttentionCpu), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR, jax.ffi.pycapsule(library.LinearCpuF32), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX_LINEAR, jax.ffi.pycapsule(library.ArgmaxLinearCpuF32), platform="cpu")
     jax.ffi.register_ffi_target(LORA, jax.ffi.pycapsule(library.LoraCpuF32), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR_INT8, jax.ffi.pycapsule(library.LinearCpuInt8), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_KV, jax.ffi.pycapsule(library.WriteKvCpuBf16), platform="cpu")

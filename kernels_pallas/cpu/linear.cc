@@ -1,4 +1,5 @@
-// out = x @ w for the CPU, float32, with w packed once into column panels: an XLA FFI custom call.
+// out = x @ w for the CPU, float32, with w packed once into column panels: an XLA FFI custom call; and
+// the greedy head, each row's argmax of x @ w without writing x @ w (ArgmaxLinearF32, below).
 //
 // XLA's CPU dot (Eigen) repacks its weight operand into cache-sized blocks on every call. A decode
 // step multiplies a few rows by every weight of the model, so that repacking reads and writes each
@@ -22,7 +23,11 @@
 // ms on the 2-core AMD EPYC).
 
 #include <algorithm>
+#include <bit>
+#include <climits>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "common.h"
 #include "linear_amx.h"
@@ -86,26 +91,94 @@ void TileRows(int rows, const float* x, int64_t ldx, const float* w, int64_t K, 
   }
 }
 
-ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  const int64_t K = xd[1], P = wd[0], N = od[1];
-  if (wd[1] != K || wd[2] != kPanel || od[0] != xd[0] || (N + kPanel - 1) / kPanel != P)
-    return ffi::Error::InvalidArgument("linear: x [M, K], packed w [ceil(N / 16), K, 16] and out [M, N] disagree");
-  const float* xs = x.typed_data();
-  const float* ws = w.typed_data();
-  float* outs = out->typed_data();
-  const int64_t M = paged_jax::ComputedRows(rows, xd[0], outs, N);
-  if (M == 0) return ffi::Error::Success();
+// Where one thread's tiles of the product go: a tile [rows, cols] at row m, column n is written at
+// Buffer(m, n, &ld) (its rows ld apart), or elsewhere by the tile unit (linear_amx.h), and then handed
+// to Written.
+class Store {  // the matmul's: straight into out [M, N]
+ public:
+  Store(float* out, int64_t N) : out_(out), N_(N) {}
+  float* Buffer(int64_t m, int64_t n, int64_t* ld) const {
+    *ld = N_;
+    return out_ + m * N_ + n;
+  }
+  void Written(int64_t m, int64_t n, const float* tile, int64_t ld, int64_t rows, int64_t cols) const {
+    float* to = out_ + m * N_ + n;
+    if (tile != to)
+      for (int64_t r = 0; r < rows; ++r) std::copy_n(tile + r * ld, cols, to + r * N_);
+  }
+
+ private:
+  float* out_;
+  int64_t N_;
+};
+
+// A row's largest value so far and its column (-1: none yet). Values compare as int32 keys in the
+// floats' order, with -0 and +0 one value and every NaN above +inf, as jnp.argmax orders them; integer
+// compares, because -ffast-math lets the compiler assume that a float is never NaN.
+struct Best {
+  int32_t key = 0, column = -1;
+};
+inline int32_t Key(float v) {
+  const int32_t bits = std::bit_cast<int32_t>(v), magnitude = bits & 0x7FFFFFFF;
+  return magnitude > 0x7F800000 ? INT32_MAX : bits < 0 ? -magnitude : magnitude;
+}
+// Ties go to the first column, as jnp.argmax's, whatever order the threads saw them in.
+inline bool Beats(int32_t key, int32_t column, const Best& best) {
+  return best.column < 0 || key > best.key || (key == best.key && column < best.column);
+}
+
+// Each row's Best over all the threads' tiles.
+struct Argmax {
+  std::mutex mu;
+  std::vector<Best> best;
+};
+
+// One thread's sink for the greedy head: its rows' Best over the tiles it computed, each tile in a
+// buffer that stays in L1, merged into the shared Argmax as the thread leaves the call.
+class ArgmaxTiles {
+ public:
+  explicit ArgmaxTiles(Argmax& shared) : shared_(shared), best_(shared.best.size()) {}
+  ArgmaxTiles(const ArgmaxTiles&) = delete;
+  ~ArgmaxTiles() {
+    std::lock_guard<std::mutex> lock(shared_.mu);
+    for (size_t m = 0; m < best_.size(); ++m)
+      if (best_[m].column >= 0 && Beats(best_[m].key, best_[m].column, shared_.best[m])) shared_.best[m] = best_[m];
+  }
+  float* Buffer(int64_t, int64_t, int64_t* ld) {
+    *ld = kTilePanels * kPanel;
+    return tile_;
+  }
+  void Written(int64_t m, int64_t n, const float* tile, int64_t ld, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* v = tile + r * ld;
+      Best& best = best_[m + r];
+      int32_t top = INT32_MIN;
+      for (int64_t c = 0; c < cols; ++c) top = std::max(top, Key(v[c]));
+      if (best.column >= 0 && top < best.key) continue;  // most tiles, once a row has seen its larger values
+      for (int64_t c = 0; c < cols; ++c)
+        if (const int32_t key = Key(v[c]); Beats(key, (int32_t)(n + c), best)) best = {key, (int32_t)(n + c)};
+    }
+  }
+
+ private:
+  Argmax& shared_;
+  std::vector<Best> best_;
+  alignas(64) float tile_[kRows * kTilePanels * kPanel];  // the FMA kernel's tiles
+};
+
+// x [M, K] @ the P panels at w (N columns), each thread's tiles handed to its new_sink().
+template <typename NewSink>
+void Product(ffi::ThreadPool& pool, const float* xs, const float* ws, int64_t M, int64_t K, int64_t P, int64_t N,
+             NewSink& new_sink) {
 #if PAGED_JAX_AMX
   static_assert(paged_jax::amx::kItemPanels == kTilePanels, "both kernels share the work items' width");
-  if (M >= kAmxMinRows && paged_jax::amx::Linear(pool, xs, ws, outs, M, K, P, N))
-    return ffi::Error::Success();
+  if (M >= kAmxMinRows && paged_jax::amx::Linear(pool, xs, ws, M, K, P, N, new_sink)) return;
 #endif
   const int64_t items = (P + kTilePanels - 1) / kTilePanels;
   const int64_t tiles = (M + kRows - 1) / kRows;
   paged_jax::ItemRuns runs(items, paged_jax::Sharers(pool, items, M));
   auto work = [&] {
+    auto sink = new_sink();
     int64_t end = 0;
     for (int64_t i = runs.Next(-1, &end), after; i < items; i = after) {
       after = runs.Next(i, &end);
@@ -114,17 +187,60 @@ ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
       const float* wa = ws + after * kTilePanels * K * kPanel;
       const bool prefetch = after < items && M >= paged_jax::kPrefetchRows;
       const int pa = prefetch ? (int)std::min<int64_t>(kTilePanels, P - after * kTilePanels) : 0;
+      const bool whole = P - p >= kTilePanels;  // else an odd last panel
+      const int64_t cols = std::min<int64_t>(N - n, (whole ? kTilePanels : 1) * kPanel);
       for (int64_t t = 0, m = 0, rows; t < tiles; ++t, m += rows) {
         rows = M / tiles + (t < M % tiles);
         const paged_jax::TilePrefetch next(wa, pa, K, t, tiles);  // a panel's line: one k's kPanel floats
-        if (P - p >= kTilePanels)
-          TileRows<kTilePanels>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, next);
-        else  // an odd last panel
-          TileRows<1>((int)rows, xs + m * K, K, wi, K, outs + m * N + n, N, N - n, next);
+        int64_t ld;
+        float* o = sink.Buffer(m, n, &ld);
+        if (whole)
+          TileRows<kTilePanels>((int)rows, xs + m * K, K, wi, K, o, ld, N - n, next);
+        else
+          TileRows<1>((int)rows, xs + m * K, K, wi, K, o, ld, N - n, next);
+        sink.Written(m, n, o, ld, rows, cols);
       }
     }
   };
   paged_jax::RunShared(pool, items, work, M);
+}
+
+// Whether x [M, K], packed w [P, K, 16] and N columns agree.
+bool Agree(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, int64_t N) {
+  return wd[1] == xd[1] && wd[2] == kPanel && (N + kPanel - 1) / kPanel == wd[0];
+}
+
+ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  if (!Agree(xd, w.dimensions(), od[1]) || od[0] != xd[0])
+    return ffi::Error::InvalidArgument("linear: x [M, K], packed w [ceil(N / 16), K, 16] and out [M, N] disagree");
+  const int64_t N = od[1];
+  const int64_t M = paged_jax::ComputedRows(rows, xd[0], out->typed_data(), N);
+  if (M == 0) return ffi::Error::Success();
+  auto new_sink = [&] { return Store(out->typed_data(), N); };
+  Product(pool, x.typed_data(), w.typed_data(), M, xd[1], w.dimensions()[0], N, new_sink);
+  return ffi::Error::Success();
+}
+
+// The greedy head: tokens[m] = argmax over the n columns of (x @ w)[m], the first column of a row's
+// largest value, without writing the product: each value is the matmul's own (the same tiles, the same
+// sums in the same order), compared in L1 as its tile is done. Rows past `rows` get 0, the argmax of
+// the matmul's zeros there.
+ffi::Error ArgmaxLinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                           ffi::Buffer<ffi::S32> rows, int64_t n, ffi::ResultBuffer<ffi::S32> tokens) {
+  const auto xd = x.dimensions();
+  if (!Agree(xd, w.dimensions(), n) || tokens->dimensions()[0] != xd[0] || n < 1 || n > INT32_MAX)
+    return ffi::Error::InvalidArgument("argmax_linear: x [M, K], packed w [ceil(n / 16), K, 16] and tokens [M] disagree");
+  const int64_t M = std::clamp<int64_t>(rows.element_count() > 0 ? rows.typed_data()[0] : xd[0], 0, xd[0]);
+  int32_t* out = tokens->typed_data();
+  std::fill(out + M, out + xd[0], 0);
+  if (M == 0) return ffi::Error::Success();
+  Argmax shared;
+  shared.best.resize(M);
+  auto new_sink = [&] { return ArgmaxTiles(shared); };
+  Product(pool, x.typed_data(), w.typed_data(), M, xd[1], w.dimensions()[0], n, new_sink);
+  for (int64_t m = 0; m < M; ++m) out[m] = shared.best[m].column;
   return ffi::Error::Success();
 }
 
@@ -137,6 +253,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpuF32, LinearF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ArgmaxLinearCpuF32, ArgmaxLinearF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("n")
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 // Whether the tile kernel runs where it can (linear_amx.h); whether it can: 1 if this build has it and
 // the OS lends the tile unit.

@@ -1,5 +1,5 @@
 """The CPU matmuls' Python side: x @ w over a weight packed once (packing.py), by linear.cc (float32,
-FMA or the AMX tile unit), linear_int8.cc (int8 weights, activations quantized as it runs) or oneDNN
+FMA or the AMX tile unit; also each row's argmax of it, the greedy head), linear_int8.cc (int8 weights, activations quantized as it runs) or oneDNN
 (onednn_linear.cc, for steps of many rows), each a jax.ffi call computing only a step's real rows;
 and the measurement that says from how many rows oneDNN is the faster here."""
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cpu.library import (LINEAR, LINEAR_INT8, LINEAR_ONEDNN, LORA, available,
+from kernels_pallas.cpu.library import (ARGMAX_LINEAR, LINEAR, LINEAR_INT8, LINEAR_ONEDNN, LORA, available,
                                         onednn_available, onednn_error)
 from kernels_pallas.cpu.packing import pack_columns, pack_panels
 
@@ -32,6 +32,19 @@ def linear_cpu(x: jax.Array, packed: jax.Array, n: int, rows=None) -> jax.Array:
         raise ValueError(f"the CPU linear kernel takes float32, got {x.dtype} and {packed.dtype}")
     call = jax.ffi.ffi_call(LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
     return call(x, packed, _rows_operand(x, rows))
+
+
+def argmax_linear_cpu(x: jax.Array, packed: jax.Array, n: int, rows=None) -> jax.Array:
+    """jnp.argmax(linear_cpu(x, packed, n, rows), axis=-1) as int32 [M], without the f32 [M, n] product:
+    each row's running maximum is kept as the matmul's tiles are done (linear.cc: ArgmaxLinearF32), every
+    value summed as linear_cpu sums it, so the tokens are the same. x: f32 [M, K]; packed: as linear_cpu's.
+    Rows past `rows` get 0, the argmax of linear_cpu's zeros there."""
+    if not available():
+        raise RuntimeError("the CPU kernel library could not be built; multiply with XLA")
+    if x.dtype != np.float32 or packed.dtype != np.float32:
+        raise ValueError(f"the CPU argmax linear kernel takes float32, got {x.dtype} and {packed.dtype}")
+    call = jax.ffi.ffi_call(ARGMAX_LINEAR, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
+    return call(x, packed, _rows_operand(x, rows), n=np.int64(n))
 
 
 def lora_cpu(out: jax.Array, x: jax.Array, a: jax.Array, b: jax.Array, group, slot: jax.Array,

@@ -180,10 +180,13 @@ void Tiles(const uint16_t* xs, int64_t Kt, int64_t q, const uint16_t* ws, float*
   if constexpr (TR == 2 && NP == 2) _tile_stored(3, sums + kTile * NP * kTile + kTile, stride);
 }
 
-// out [M, N] = x [M, K] @ w (P float32 panels [K][16]), in work items of kItemPanels panels shared out
-// over threads as linear.cc's FMA kernel does. False, having done nothing, where the OS refuses AMX.
-inline bool Linear(xla::ffi::ThreadPool& pool, const float* x, const float* w, float* out, int64_t M, int64_t K,
-                   int64_t P, int64_t N) {
+// x [M, K] @ w (P float32 panels [K][16]), in work items of kItemPanels panels shared out over threads
+// as linear.cc's FMA kernel does, each thread handing its tiles of the product to a sink of its own,
+// new_sink() (linear.cc: Store, which writes out [M, N], or Argmax). False, having done nothing, where
+// the OS refuses AMX.
+template <typename NewSink>
+bool Linear(xla::ffi::ThreadPool& pool, const float* x, const float* w, int64_t M, int64_t K, int64_t P, int64_t N,
+            NewSink& new_sink) {
   if (!on.load() || !Usable()) return false;
   const int64_t pairs = (M + kPair - 1) / kPair, Kt = (K + kDepth - 1) / kDepth * kDepth;
   const int64_t items = (P + kItemPanels - 1) / kItemPanels;
@@ -195,6 +198,7 @@ inline bool Linear(xla::ffi::ThreadPool& pool, const float* x, const float* w, f
     for (int64_t q; (q = next_pair.fetch_add(1)) < pairs; split_pairs.fetch_add(1, std::memory_order_release))
       SplitRows(x, M, K, Kt, xs, q);
     while (split_pairs.load(std::memory_order_acquire) < pairs) std::this_thread::yield();
+    auto sink = new_sink();
     Configure();
     // Items go in groups whose split weights stay in L2 while every row pair passes them, each pair's
     // rows then read from L2 once a group rather than once an item.
@@ -219,7 +223,7 @@ inline bool Linear(xla::ffi::ThreadPool& pool, const float* x, const float* w, f
           else
             np == 2 ? Tiles<1, 2>(xs, Kt, q, wj, sums) : Tiles<1, 1>(xs, Kt, q, wj, sums);
           const int64_t cols = std::min<int64_t>(np * kTile, N - n);
-          for (int64_t r = 0; r < rows; ++r) std::copy_n(sums + r * np * kTile, cols, out + (q * kPair + r) * N + n);
+          sink.Written(q * kPair, n, sums, np * kTile, rows, cols);
         }
     }
     _tile_release();
