@@ -155,6 +155,22 @@ class DecoderLM(nnx.Module):
             logits = cap * jnp.tanh(logits / cap)
         return logits
 
+    @property
+    def greedy_head(self) -> bool:
+        """Whether greedy_tokens gives the argmax of `logits`: where the lm_head is packed float32 for the
+        C++ matmul and not soft-capped (cap * tanh(l / cap) can round two logits to one value, whose
+        argmax is then the first of the two, not the larger)."""
+        return self.packed and self.lm_head_int8 is None and self.config.final_logit_softcapping is None
+
+    def greedy_tokens(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        """int32 [rows]: jnp.argmax(self.logits(x, num_rows), axis=-1), the same tokens (ties to the first),
+        by one C++ call that keeps each row's running maximum over the lm_head's columns and never writes
+        the float32 [rows, vocab] logits (kernels_pallas/cpu/linear.cc: ArgmaxLinearF32). Only where
+        greedy_head; x and num_rows as logits'."""
+        lm_head = self.embed if self.config.tie_word_embeddings else self.lm_head
+        with jax.named_scope("matmul"):
+            return cpu_kernel.argmax_linear_cpu(self.norm(x), lm_head[...], self.config.vocab_size, num_rows)
+
     def pack_for_cpu(self, quantization: str | None = None, onednn_rows: int = 0) -> "DecoderLM":
         """A copy of the model whose matmul weights are packed in column panels for the C++ CPU matmul
         (kernels_pallas/cpu/linear.cc): XLA's dot repacks its weight on every call, which took most of a

@@ -80,7 +80,7 @@ def decode_steps(graph, weights: tuple[jax.Array, ...], kv_cache, packed: jax.Ar
                                                attn_backend=attn_backend, mesh=mesh,
                                                cos_sin=rope.cos_sin(positions, rope_freq))
         tensors = dataclasses.replace(run.tensors, steps=run.tensors.steps + j)
-        sampled = sampling.sample(model.logits(hidden[first.logits_indices][:rows], tensors.num_rows), tensors)
+        sampled = sampling.sample_head(model, hidden[first.logits_indices][:rows], tensors)
         alive = (j < run.num_steps) & ~stopped
         last = jnp.where(alive, sampled.tokens, last)
         stopped |= alive & run.stops_at_eos & jnp.isin(sampled.tokens, eos)

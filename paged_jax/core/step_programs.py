@@ -74,5 +74,5 @@ def sample_step(graph: ModelGraph, weights: tuple[jax.Array, ...], hidden: jax.A
     Returns the SamplerOutput with S rows, and its tokens padded to int32 [rows] for the next step."""
     model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, weights))
     tensors: sampling_tensors.SamplingTensors = packing.unpack(packed, layout)
-    sampled = sampling.sample(model.logits(hidden[: tensors.temperature.shape[0]], tensors.num_rows), tensors, previous)
+    sampled = sampling.sample_head(model, hidden[: tensors.temperature.shape[0]], tensors, previous)
     return sampled, jnp.zeros(hidden.shape[0], jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens)
