@@ -122,6 +122,13 @@ inline int32_t Key(float v) {
   const int32_t bits = std::bit_cast<int32_t>(v), magnitude = bits & 0x7FFFFFFF;
   return magnitude > 0x7F800000 ? INT32_MAX : bits < 0 ? -magnitude : magnitude;
 }
+// Key of kLanes floats at once.
+typedef int32_t KeyVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+inline KeyVec Keys(const float* p) {
+  const KeyVec bits = (KeyVec)Load(p), sign = bits >> 31, magnitude = bits & 0x7FFFFFFF;
+  const KeyVec nan = magnitude > 0x7F800000;  // all ones where NaN
+  return (nan & INT32_MAX) | (~nan & ((magnitude ^ sign) - sign));
+}
 // Ties go to the first column, as jnp.argmax's, whatever order the threads saw them in.
 inline bool Beats(int32_t key, int32_t column, const Best& best) {
   return best.column < 0 || key > best.key || (key == best.key && column < best.column);
@@ -152,9 +159,16 @@ class ArgmaxTiles {
     for (int64_t r = 0; r < rows; ++r) {
       const float* v = tile + r * ld;
       Best& best = best_[m + r];
-      int32_t top = INT32_MIN;
-      for (int64_t c = 0; c < cols; ++c) top = std::max(top, Key(v[c]));
-      if (best.column >= 0 && top < best.key) continue;  // most tiles, once a row has seen its larger values
+      if (best.column >= 0 && cols == kTilePanels * kPanel) {  // most tiles fall short of a row's best so far
+        KeyVec top = Keys(v);
+        for (int j = 1; j < kTilePanels * kPanel / kLanes; ++j) {
+          const KeyVec keys = Keys(v + j * kLanes);
+          top = top > keys ? top : keys;
+        }
+        bool reaches = false;
+        for (int l = 0; l < kLanes; ++l) reaches |= top[l] >= best.key;
+        if (!reaches) continue;
+      }
       for (int64_t c = 0; c < cols; ++c)
         if (const int32_t key = Key(v[c]); Beats(key, (int32_t)(n + c), best)) best = {key, (int32_t)(n + c)};
     }

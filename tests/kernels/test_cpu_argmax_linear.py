@@ -91,3 +91,17 @@ def test_refuses_a_column_count_that_disagrees_with_the_packing():
     packed = cpu_kernel.pack_columns(jnp.ones((4, 40), jnp.float32))
     with pytest.raises(Exception, match="disagree"):
         jax.block_until_ready(cpu_kernel.argmax_linear_cpu(jnp.ones((2, 4), jnp.float32), packed, 60))
+
+
+@pytest.mark.parametrize("rows", (7, 70))
+def test_negative_zero_and_infinite_values(rows):
+    """Keys in the floats' order on either side of zero: rows all negative, a row of zeros (every column
+    ties: 0), and values that overflow to -inf and +inf."""
+    x, w = np.abs(_random((rows, 64), 5)), -np.abs(_random((64, 700), 6))
+    x[1] = 0
+    x[2] = 1e38  # -inf in every column, all tied
+    x[2, 0] = 0  # (row 0 of w holds column 650's +1e38)
+    x[3, 0], w[0, 650] = 1e38, 1e38  # +inf in column 650 alone
+    got, want = _both(x, w)
+    np.testing.assert_array_equal(got, want)
+    assert got[1] == 0 and got[2] == 0 and got[3] == 650
