@@ -192,6 +192,28 @@ def test_greedy_through_paged_cache_matches_transformers(tiny_any_matmul, chunk_
     assert got == [hf_greedy(hf_model, p, GREEDY_STEPS) for p in prompts]
 
 
+@pytest.mark.parametrize("chunk_size", [64, 5], ids=["whole", "chunked"])
+def test_fused_greedy_head_matches_transformers(tiny_model, chunk_size):
+    """The packed model's greedy_tokens (the lm_head and argmax in one C++ call, no logits written) in
+    place of its logits' argmax: transformers' greedy tokens still. A soft-capped head never fuses."""
+    hf_model, config, model = tiny_model
+    packed = model.pack_for_cpu()
+    assert packed.greedy_head == (config.final_logit_softcapping is None)
+    if not packed.greedy_head:
+        return
+    graphdef, state = nnx.split(packed)
+
+    @functools.partial(jax.jit, donate_argnames=("kv_cache",))
+    def forward(state, input_ids, positions, kv_cache, metadata, logits_indices):  # one-hot rows of the tokens
+        model = nnx.merge(graphdef, state)
+        x, kv_cache = model.hidden_states(input_ids, positions, kv_cache, metadata)
+        return jax.nn.one_hot(model.greedy_tokens(x[logits_indices]), config.vocab_size), kv_cache
+
+    prompts = random_prompts(config, (9, 23, 14))
+    got = paged_greedy(forward, state, config, prompts, block_size=4, chunk_size=chunk_size)
+    assert got == [hf_greedy(hf_model, p, GREEDY_STEPS) for p in prompts]
+
+
 def test_bfloat16_tracks_float32(tiny_checkpoint):
     """bfloat16 parameters and cache: logits near float32's, and the same argmax almost everywhere."""
     folder, _ = tiny_checkpoint("llama3")
