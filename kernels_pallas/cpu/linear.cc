@@ -245,7 +245,8 @@ ffi::Error ArgmaxLinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                            ffi::Buffer<ffi::S32> rows, int64_t n, ffi::ResultBuffer<ffi::S32> tokens) {
   const auto xd = x.dimensions();
   if (!Agree(xd, w.dimensions(), n) || tokens->dimensions()[0] != xd[0] || n < 1 || n > INT32_MAX)
-    return ffi::Error::InvalidArgument("argmax_linear: x [M, K], packed w [ceil(n / 16), K, 16] and tokens [M] disagree");
+    return ffi::Error::InvalidArgument(
+        "argmax_linear: x [M, K], packed w [ceil(n / 16), K, 16] and tokens [M] disagree");
   const int64_t M = std::clamp<int64_t>(rows.element_count() > 0 ? rows.typed_data()[0] : xd[0], 0, xd[0]);
   int32_t* out = tokens->typed_data();
   std::fill(out + M, out + xd[0], 0);

@@ -1,7 +1,8 @@
 """The CPU matmuls' Python side: x @ w over a weight packed once (packing.py), by linear.cc (float32,
-FMA or the AMX tile unit; also each row's argmax of it, the greedy head), linear_int8.cc (int8 weights, activations quantized as it runs) or oneDNN
-(onednn_linear.cc, for steps of many rows), each a jax.ffi call computing only a step's real rows;
-and the measurement that says from how many rows oneDNN is the faster here."""
+FMA or the AMX tile unit; also each row's argmax of it, the greedy head), linear_int8.cc (int8
+weights, activations quantized as it runs) or oneDNN (onednn_linear.cc, for steps of many rows), each
+a jax.ffi call computing only a step's real rows; and the measurement that says from how many rows
+oneDNN is the faster here."""
 
 import functools
 import time
