@@ -19,6 +19,11 @@ from paged_jax.core.resolve import ResolvedConfig, default_device, resolve
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.spec_decode.speculator import Speculator
 
+# A speculating step's draft tokens at most, by platform (SpeculativeConfig.max_draft_tokens_per_step's
+# default). On the CPU a step's cost climbs once its rows pass 16 (SmolLM2, 2-core Xeon: 4 decodes beside
+# 12, 16, 20 and 24 more tokens cost 1.14, 1.22, 1.40 and 1.54 times 4 alone), and 4 sequences with 5
+# drafts each verify 24 rows: 12 drafts a step leaves k = 5 up to 2 sequences and gives 4 sequences 3 each.
+DRAFT_BUDGETS = {"cpu": 12}
 
 @dataclasses.dataclass(frozen=True)
 class EngineParts:
@@ -75,7 +80,9 @@ def build_parts(model, model_config, config: EngineConfig) -> EngineParts:
                           max_model_len=resolved.max_model_len, adapters=adapters, kv_groups=resolved.kv_groups)
     speculator = None
     if config.speculative_config is not None:
-        speculator = Speculator(config.speculative_config, resolved.max_model_len, resolved.buckets.num_head_rows,
-                                resolved.block_size)
+        spec = config.speculative_config
+        budget = spec.max_draft_tokens_per_step
+        speculator = Speculator(spec, resolved.max_model_len, resolved.buckets.num_head_rows, resolved.block_size,
+                                DRAFT_BUDGETS.get(resolved.platform) if budget is None else budget)
         runner.speculative = True
     return EngineParts(model_config, resolved, runner, blocks, scheduler, adapters, speculator)

@@ -17,6 +17,10 @@ class SpeculativeConfig:
     # bench_spec.py (docs/engine.md): on two cores, SmolLM2 and k = 5, drafting won at 4 sequences
     # and lost at 8, where a verify step's k + 1 tokens a sequence outweigh what it accepts.
     disable_by_batch_size: int | None = 6
+    # The most draft tokens one step verifies, shared evenly by its running sequences, so that a sequence
+    # drafts at most min(k, this // running) (None: the engine's choice for its device, DRAFT_BUDGETS in
+    # engine_parts.py). Not vLLM's: its GPUs verify a few more rows a step for nothing, and a CPU does not.
+    max_draft_tokens_per_step: int | None = None
     # A sequence stops drafting once, over at least `acceptance_window` drafts, fewer than this share
     # were accepted; it tries again after as many output tokens (0: never stops).
     min_acceptance_rate: float = 0.1
@@ -45,6 +49,8 @@ class SpeculativeConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if self.max_draft_tokens_per_step is not None and self.max_draft_tokens_per_step < 1:
+            raise ValueError(f"max_draft_tokens_per_step must be >= 1, got {self.max_draft_tokens_per_step}")
         if self.suffix_decoding_max_tree_depth < 2:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 2")
 

@@ -44,8 +44,12 @@ class _Acceptance:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, num_head_rows: int, block_size: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, num_head_rows: int, block_size: int,
+                 draft_budget: int | None = None):
+        """draft_budget: the most draft tokens a step verifies (config.max_draft_tokens_per_step, or the
+        engine's choice for its device where that is None; None: no budget beyond k a sequence)."""
         self.config = config
+        self.draft_budget = draft_budget
         self.max_model_len = max_model_len
         self.num_head_rows = num_head_rows
         self.block_size = block_size
@@ -77,16 +81,18 @@ class Speculator:
                     seq.draft_ids = []
                 self.drafting = False
             return
+        k = self.config.num_speculative_tokens
+        if self.draft_budget is not None:
+            k = min(k, self.draft_budget // len(running))
         for seq in running:
-            seq.draft_ids = self._drafts(seq)
+            seq.draft_ids = self._drafts(seq, k)
         self.drafting = True
 
-    def _drafts(self, seq: Sequence) -> list[int]:
+    def _drafts(self, seq: Sequence, k: int) -> list[int]:
         if (seq.num_pending or seq.forks > 1 or seq.guide is not None or seq.params.use_beam_search
                 or seq.num_computable_tokens - seq.num_computed_tokens != 1):
             return []
-        k = min(self.config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - len(seq.token_ids))
+        k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq.token_ids))
         _, acceptance = self._seen.setdefault(seq.seq_id, (seq, _Acceptance()))
         if k <= 0 or seq.num_output_tokens < acceptance.resume_at:
             return []

@@ -5,16 +5,26 @@ after warm-up."""
 
 import numpy as np
 import pytest
+from engine_cases import (  # noqa: F401
+    GREEDY,
+    assert_all_free,
+    finish_all,
+    generate,
+    make_engine,
+    prompts,
+    tiny,
+)
 
-from engine_cases import GREEDY, assert_all_free, finish_all, generate, make_engine, prompts, tiny  # noqa: F401
 from paged_jax import LLM, SamplingParams
+from paged_jax.core.engine_parts import DRAFT_BUDGETS
 from paged_jax.core.warmup import warm_up
 from paged_jax.spec_decode.config import SpeculativeConfig
 
-# Never off by batch size: these tests verify drafts of many sequences in one step.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "disable_by_batch_size": None}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+# Never off by batch size nor cut by a step's draft budget: these tests verify drafts of many sequences
+# in one step.
+UNBOUNDED = {"disable_by_batch_size": None, "max_draft_tokens_per_step": 1024}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} | UNBOUNDED
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4} | UNBOUNDED
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +145,27 @@ def test_by_default_a_batch_of_the_measured_size_drafts_nothing(tiny, repeating)
         assert (engine.speculator.stats.num_drafts > 0) == drafts
         finish_all(engine)
         assert_all_free(engine)
+
+
+def test_a_step_verifies_at_most_its_draft_budget(tiny, repeating):
+    """The budget is shared evenly: 4 sequences under a budget of 6 draft one token each, 2 three each."""
+    plain = generate(make_engine(tiny, block_size=8, num_blocks=512), repeating[:4])
+    engine = make_engine(tiny, block_size=8, num_blocks=512,
+                         speculative_config=NGRAM | {"max_draft_tokens_per_step": 6})
+    ids = [engine.add_request(prompt, GREEDY) for prompt in repeating[:4]]
+    outputs, per_step = {}, []
+    stats = engine.speculator.stats
+    while engine.has_unfinished_requests():
+        before, running = stats.num_draft_tokens, len(engine.scheduler.running)
+        outputs |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        per_step.append((running, stats.num_draft_tokens - before))
+    assert [outputs[i] for i in ids] == plain
+    assert all(drafts <= 6 and (running < 4 or drafts <= 4) for running, drafts in per_step), per_step
+    assert stats.num_draft_tokens > 0
+    assert_all_free(engine)
+    # Unset, the budget is the engine's for its device.
+    default = make_engine(tiny, block_size=8, num_blocks=512, speculative_config={"method": "ngram"})
+    assert default.speculator.draft_budget == DRAFT_BUDGETS.get(default.resolved.platform)
 
 
 def test_speculation_turns_itself_off(tiny, repeating):
