@@ -55,11 +55,12 @@ class StopRules:
         params, taken, length = seq.params, seq.num_output_tokens, len(seq.token_ids)
         # The index of the token that reaches max_tokens or the context's end.
         at_length = max(0, min(params.max_tokens - taken, self.max_model_len - length) - 1)
-        window = set(tokens[: at_length + 1])
-        # Most rows hold no stop id: one set operation, not a Python test a token.
-        if (params.ignore_eos or window.isdisjoint(self.eos_token_ids)) and window.isdisjoint(params.stop_token_ids):
-            return (at_length, ("length", None)) if at_length < len(tokens) else None
-        for i, token in enumerate(tokens[: at_length + 1]):
+        window = tokens[: at_length + 1]
+        ids = set(window)
+        # Most rows hold no stop id: one set operation says so, not a Python test a token.
+        may_stop = (not ids.isdisjoint(params.stop_token_ids)
+                    or not (params.ignore_eos or ids.isdisjoint(self.eos_token_ids)))
+        for i, token in enumerate(window if may_stop else ()):
             if taken + i + 1 >= params.min_tokens:
                 if token in params.stop_token_ids:
                     return i, ("stop", token)
