@@ -5,9 +5,11 @@ the same kernel at another git revision, side by side in one process.
     python scripts/bench_decode_attention.py --only tiny --rounds 8
 
 Shapes (one layer; head-major pages, as the engine lays them out for this kernel; float32 pages unless
---dtype bfloat16; contexts drawn around --context, ragged), each twice: a sequence's pages in random
-order across the pool, and in order (as a prompt's blocks come from the block manager's queue), since
-jumps between pages of a few kB cost the kernel as much as its arithmetic at the tiny model's shape:
+--dtype bfloat16; contexts drawn around --context, ragged), each three times: a sequence's pages in
+random order across the pool, in order (as a prompt's blocks come from the block manager's queue), and
+in step (contexts all --context long, block j of sequence i at j * sequences + i, as sequences
+decoding in step take theirs), since jumps between pages of a few kB cost the kernel as much as its
+arithmetic at the tiny model's shape:
 - tiny: bench_overlap.py's model (6 query heads over 2 KV heads, head_dim 16) with its blocks of 16, at
   256 and 64 sequences;
 - smollm2: SmolLM2-135M (9 over 3, head_dim 64), blocks of 64 (the engine's default for this kernel);
@@ -92,19 +94,29 @@ def kernel_call(target: str, kv_layout: str):
     return call
 
 
-def make_inputs(shape: Shape, context: int, dtype, rng, shuffled: bool):
-    """A decode step of shape.num_seqs sequences of about `context` tokens, pages in random order or
-    each sequence's in order."""
+ORDERS = ("random", "in order", "in step")
+
+
+def make_inputs(shape: Shape, context: int, dtype, rng, order: str):
+    """A decode step of shape.num_seqs sequences of about `context` tokens, pages in random order,
+    each sequence's in order, or "in step": every sequence exactly `context` long, its block j the
+    j-th of its batch's j-th blocks, as sequences decoding in step take their blocks one after another
+    (bench_overlap.py's --model)."""
     lens = rng.integers(context - context // 8, context + context // 8 + 1, shape.num_seqs).astype(np.int32)
+    if order == "in step":
+        lens[:] = context
     blocks = -(-lens // shape.block_size)
     num_blocks = int(blocks.sum()) + 1
     pages = layout.page_shape(num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, layout.HEAD_MAJOR)
     k = jnp.asarray(rng.standard_normal(pages, np.float32), dtype)
     v = jnp.asarray(rng.standard_normal(pages, np.float32), dtype)
     tables = np.zeros((shape.num_seqs, int(blocks.max())), np.int32)
-    order = rng.permutation(num_blocks) if shuffled else np.arange(num_blocks)
-    for i, n in enumerate(blocks):
-        tables[i, :n], order = order[:n], order[n:]
+    if order == "in step":
+        tables[:] = (np.arange(int(blocks.max()))[None] * shape.num_seqs + np.arange(shape.num_seqs)[:, None]).astype(np.int32)
+    else:
+        free = rng.permutation(num_blocks) if order == "random" else np.arange(num_blocks)
+        for i, n in enumerate(blocks):
+            tables[i, :n], free = free[:n], free[n:]
     q = jnp.asarray(rng.standard_normal((shape.num_seqs, shape.num_heads, shape.head_dim), np.float32))
     starts = np.arange(shape.num_seqs + 1, dtype=np.int32)
     return (q, k, v, jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(starts))
@@ -142,15 +154,15 @@ def main():
           f"medians of {10 * args.rounds} calls")
     print(f"{'shape':>12} {'pages':>8} {args.against[:10]:>10} {'GB/s':>6} {'this tree':>10} {'GB/s':>6} {'ratio':>6}"
           "  max diff")
-    for shape, shuffled in itertools.product(SHAPES, (True, False)):
+    for shape, order in itertools.product(SHAPES, ORDERS):
         if args.only and args.only not in shape.name:
             continue
-        inputs = make_inputs(shape, args.context, dtype, rng, shuffled)
+        inputs = make_inputs(shape, args.context, dtype, rng, order)
         ms = median_ms(fns, inputs, args.rounds)
         kv_bytes = 2 * int(inputs[4].sum()) * shape.num_kv_heads * shape.head_dim * dtype.itemsize
         before, after = ms[args.against], ms["this tree"]
         diff = float(jnp.max(jnp.abs(fns[args.against](*inputs) - fns["this tree"](*inputs))))
-        print(f"{shape.name:>12} {'random' if shuffled else 'in order':>8} {before:10.3f} {kv_bytes / before / 1e6:6.1f} {after:10.3f}"
+        print(f"{shape.name:>12} {order:>8} {before:10.3f} {kv_bytes / before / 1e6:6.1f} {after:10.3f}"
               f" {kv_bytes / after / 1e6:6.1f} {before / after:5.2f}x  {diff:.1e}", flush=True)
 
 
