@@ -457,11 +457,14 @@ void AttendDecodeNarrow(const Shapes& sh, const float* q, const KV* k_pages, con
   for (int64_t i = 0; i < R * L; ++i) acc[i] = q_token[i] * scale;
   const Vec first = Vec{} + (float)(lo - b0 * BS), end = Vec{} + (float)(seq_len - b0 * BS);
   // A block's K (or V), every KV head, is block_stride contiguous elements of a page that is one of
-  // thousands: the hardware prefetcher, which stays within a 4 kB page, never runs ahead of it. So
-  // the K pass asks for K kAhead blocks ahead, and for this block's V, which the V pass then finds in
-  // cache (bench_overlap.py --model, 256 sequences: 40% of this function's time sat on V's loads).
+  // thousands: where a sequence's next block is not the one after it in the pool, the hardware
+  // prefetcher, which stays within a 4 kB page, does not run ahead of the jump. There the K pass asks
+  // for K kAhead blocks ahead, and for this block's V, which the V pass then finds in cache
+  // (bench_overlap.py --model, 256 sequences: 40% of this function's time sat on V's loads); pages in
+  // order are left to the hardware, which the extra requests only slowed (bench_decode_attention.py).
   constexpr int64_t kAhead = 2;
   const auto fetch = [&](const KV* pages, int64_t b) {
+    if (b > b0 && table[b] == table[b - 1] + 1) return;
     const char* at = reinterpret_cast<const char*>(pages + (int64_t)table[b] * block_stride);
     for (int64_t i = 0; i < block_stride * (int64_t)sizeof(KV); i += 64) __builtin_prefetch(at + i, 0, 3);
   };
