@@ -140,14 +140,14 @@ struct Argmax {
   std::vector<Best> best;
 };
 
-// One thread's sink for the greedy head: per row, kLanes running bests, lane l over the columns = l
-// mod kLanes that the thread's tiles held, updated with vector compares and blends only (a tile's
-// depth is as short as 64 at the tiny model's hidden size, where a horizontal maximum per row and
-// tile cost the greedy head 45% of its matmul: perf, 256 rows of 8,192); the lanes are reduced once,
-// as the thread leaves the call, into the shared Argmax.
+// One thread's sink for the greedy head: per row, kLanes running bests (lane l: columns = l mod kLanes)
+// kept with vector compares and blends, reduced into the shared Argmax as the thread leaves. At depth 64
+// a horizontal maximum per row and tile cost 45% of the matmul (perf, 256 rows of 8,192).
 class ArgmaxTiles {
  public:
-  explicit ArgmaxTiles(Argmax& shared) : shared_(shared), lanes_(shared.best.size()) {}
+  explicit ArgmaxTiles(Argmax& shared) : shared_(shared), lanes_(shared.best.size()) {
+    for (int l = 0; l < kLanes; ++l) lane_[l] = l;
+  }
   ArgmaxTiles(const ArgmaxTiles&) = delete;
   ~ArgmaxTiles() {
     std::lock_guard<std::mutex> lock(shared_.mu);
@@ -164,7 +164,7 @@ class ArgmaxTiles {
   // past cols are masked out.
   void Written(int64_t m, int64_t n, const float* tile, int64_t ld, int64_t rows, int64_t cols) {
     for (int64_t c0 = 0; c0 < cols; c0 += kLanes) {
-      const KeyVec column = (KeyVec{} + (int32_t)(n + c0)) + kLaneIndex;
+      const KeyVec column = (KeyVec{} + (int32_t)(n + c0)) + lane_;
       const KeyVec valid = column < (int32_t)(n + cols);
       for (int64_t r = 0; r < rows; ++r) {
         Lanes& best = lanes_[m + r];
@@ -178,17 +178,12 @@ class ArgmaxTiles {
   }
 
  private:
-  static KeyVec LaneIndex() {
-    KeyVec v{};
-    for (int l = 0; l < kLanes; ++l) v[l] = l;
-    return v;
-  }
-  const KeyVec kLaneIndex = LaneIndex();
   struct Lanes {  // no column yet: key INT32_MIN, which no value's key is, and column -1
     KeyVec key = KeyVec{} + INT32_MIN, column = KeyVec{} - 1;
   };
   Argmax& shared_;
   std::vector<Lanes> lanes_;
+  KeyVec lane_;  // 0, 1, .., kLanes - 1
   alignas(64) float tile_[kRows * kTilePanels * kPanel];  // the FMA kernel's tiles
 };
 
