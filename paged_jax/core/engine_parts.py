@@ -22,7 +22,7 @@ from paged_jax.spec_decode.speculator import Speculator
 # A speculating step's draft tokens at most, by platform (SpeculativeConfig.max_draft_tokens_per_step's
 # default). On the CPU a step's cost climbs once its rows pass 16 (SmolLM2, 2-core Xeon: 4 decodes beside
 # 12, 16, 20 and 24 more tokens cost 1.14, 1.22, 1.40 and 1.54 times 4 alone), and 4 sequences with 5
-# drafts each verify 24 rows: 12 drafts a step leaves k = 5 up to 2 sequences and gives 4 sequences 3 each.
+# drafts each verify 24 rows: 12 drafts a step leaves k = 5 up to 2 sequences and 4 sequences 3 each on average.
 DRAFT_BUDGETS = {"cpu": 12}
 
 @dataclasses.dataclass(frozen=True)

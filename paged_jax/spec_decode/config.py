@@ -17,8 +17,8 @@ class SpeculativeConfig:
     # bench_spec.py (docs/engine.md): on two cores, SmolLM2 and k = 5, drafting won at 4 sequences
     # and lost at 8, where a verify step's k + 1 tokens a sequence outweigh what it accepts.
     disable_by_batch_size: int | None = 6
-    # The most draft tokens one step verifies, shared evenly by its running sequences, so that a sequence
-    # drafts at most min(k, this // running) (None: the engine's choice for its device, DRAFT_BUDGETS in
+    # The most draft tokens one step verifies, shared by its sequences' draft positions likeliest to be
+    # accepted (spec_decode/draft_budget.py; None: the engine's choice for its device, DRAFT_BUDGETS in
     # engine_parts.py). Not vLLM's: its GPUs verify a few more rows a step for nothing, and a CPU does not.
     max_draft_tokens_per_step: int | None = None
     # A sequence stops drafting once, over at least `acceptance_window` drafts, fewer than this share

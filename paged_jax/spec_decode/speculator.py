@@ -21,6 +21,7 @@ from paged_jax.core import output_processor
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.core.sequence import Sequence, Status
 from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.spec_decode.draft_budget import Chance, share
 from paged_jax.spec_decode.ngram import propose_ngram
 from paged_jax.spec_decode.rejection import num_accepted
 from paged_jax.spec_decode.suffix import SuffixOptions, SuffixProposer
@@ -41,6 +42,7 @@ class _Acceptance:
     drafted: int = 0
     accepted: int = 0
     resume_at: int = 0  # output tokens after which a sequence paused for low acceptance drafts again
+    chance: Chance = dataclasses.field(default_factory=Chance)  # its share of the step's draft budget
 
 
 class Speculator:
@@ -73,7 +75,8 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Give each decoding sequence its drafts for the next step (none where speculation cannot
-        help: a constrained or beam row, a parent of n samples, a token pending, the end in sight)."""
+        help: a constrained or beam row, a parent of n samples, a token pending, the end in sight), cut
+        to the step's draft budget by their chances of acceptance."""
         self._forget_finished()
         if not self.active(running):  # off by batch size: no work per sequence and step
             if self.drafting:
@@ -81,11 +84,13 @@ class Speculator:
                     seq.draft_ids = []
                 self.drafting = False
             return
-        k = self.config.num_speculative_tokens
+        drafts = [self._drafts(seq, self.config.num_speculative_tokens) for seq in running]
         if self.draft_budget is not None:
-            k = min(k, self.draft_budget // len(running))
-        for seq in running:
-            seq.draft_ids = self._drafts(seq, k)
+            rates = [self._seen[seq.seq_id][1].chance.rate if seq.seq_id in self._seen else 0.0 for seq in running]
+            kept = share([len(d) for d in drafts], rates, self.draft_budget)
+            drafts = [d[:n] for d, n in zip(drafts, kept)]
+        for seq, d in zip(running, drafts):
+            seq.draft_ids = d
         self.drafting = True
 
     def _drafts(self, seq: Sequence, k: int) -> list[int]:
@@ -192,12 +197,16 @@ class Speculator:
             del seq.block_ids[keep:]
 
     def _track(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """Pause a sequence whose drafts keep failing, for as many output tokens as the window."""
+        """Update seq's chance of acceptance; pause it, for as many output tokens as the window, if
+        its drafts keep failing."""
         c = self.config
         entry = self._seen.get(seq.seq_id)
-        if entry is None or c.min_acceptance_rate <= 0:
+        if entry is None:
             return
         a = entry[1]
+        a.chance.update(num_drafts, num_accepted)
+        if c.min_acceptance_rate <= 0:
+            return
         a.drafted += num_drafts
         a.accepted += num_accepted
         if a.drafted >= c.acceptance_window:

@@ -148,7 +148,8 @@ def test_by_default_a_batch_of_the_measured_size_drafts_nothing(tiny, repeating)
 
 
 def test_a_step_verifies_at_most_its_draft_budget(tiny, repeating):
-    """The budget is shared evenly: 4 sequences under a budget of 6 draft one token each, 2 three each."""
+    """4 sequences under a budget of 6 draft 6 tokens at most in all, shared unevenly where their
+    chances differ (draft_budget.py; evenly, each would draft one)."""
     plain = generate(make_engine(tiny, block_size=8, num_blocks=512), repeating[:4])
     engine = make_engine(tiny, block_size=8, num_blocks=512,
                          speculative_config=NGRAM | {"max_draft_tokens_per_step": 6})
@@ -160,7 +161,7 @@ def test_a_step_verifies_at_most_its_draft_budget(tiny, repeating):
         outputs |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
         per_step.append((running, stats.num_draft_tokens - before))
     assert [outputs[i] for i in ids] == plain
-    assert all(drafts <= 6 and (running < 4 or drafts <= 4) for running, drafts in per_step), per_step
+    assert all(drafts <= 6 for _, drafts in per_step) and any(running == 4 and drafts > 4 for running, drafts in per_step), per_step
     assert stats.num_draft_tokens > 0
     assert_all_free(engine)
     # Unset, the budget is the engine's for its device.
