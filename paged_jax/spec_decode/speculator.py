@@ -65,6 +65,7 @@ class Speculator:
 
     def forget_outputs(self) -> None:
         """Empty suffix decoding's cache of finished outputs (a benchmark's runs then start alike)."""
+        self._forget_finished()  # else the sequences finished in the last step join the new cache
         if self.suffix is not None:
             self.suffix = SuffixProposer(self.suffix.options)
 

@@ -50,6 +50,11 @@ def test_greedy_tokens_are_the_same_with_drafts(tiny, prompts, repeating, spec):
     assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
     assert_all_free(engine)
+    if engine.speculator.suffix is not None:  # emptied, its cache takes no output of the requests before
+        engine.speculator.forget_outputs()
+        generate(engine, batch[:1])
+        generate(engine, batch[1:2])  # its first step caches the output of the one before
+        assert engine.speculator.suffix.cached.tolist() == plain[0] + [-1]
 
 
 def test_one_at_a_time_and_under_preemption(tiny, prompts, repeating):
