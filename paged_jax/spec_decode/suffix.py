@@ -103,6 +103,8 @@ class SuffixProposer:
         o = self.options
         tokens = np.asarray(tokens, np.int32)
         own = draft(tokens, tokens, k, o.depth - 1, o.min_token_prob, o.max_spec_factor)
+        if own[1] >= k:  # k drafts, each certain: the cache's can at best tie, and a tie keeps these
+            return own[0]
         shared = draft(self.cached, tokens, k, o.depth - 1, o.min_token_prob, o.max_spec_factor)
         return max(own, shared, key=lambda d: d[1])[0]
 
