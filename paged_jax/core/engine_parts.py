@@ -25,6 +25,7 @@ from paged_jax.spec_decode.speculator import Speculator
 # drafts each verify 24 rows: 12 drafts a step leaves k = 5 up to 2 sequences and 4 sequences 3 each on average.
 DRAFT_BUDGETS = {"cpu": 12}
 
+
 @dataclasses.dataclass(frozen=True)
 class EngineParts:
     model_config: object  # models.ModelConfig as the engine runs it (KV heads' copies counted under TP)

@@ -3,7 +3,8 @@
 more; then max_tokens or the context's end."""
 
 import dataclasses
-from collections.abc import Callable, Sequence as Ids
+from collections.abc import Callable
+from collections.abc import Sequence as Ids
 
 from paged_jax.core.output_text import OutputText
 from paged_jax.core.sequence import Sequence
